@@ -1,0 +1,48 @@
+# aiserve: `make run` starts the suite on the embedded default model; `make test` tests it.
+# Both set everything up on a fresh machine (virtual environment, pinned dependencies,
+# generated protos, the model store).
+
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export AISERVE_HOME ?= $(CURDIR)/var
+
+.PHONY: run test lint protos model venv bench lock clean
+
+$(VENV)/.installed: requirements.lock pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.lock
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+aiserve/v1/__init__.py: $(VENV)/.installed $(wildcard protos/aiserve/v1/*.proto) scripts/gen_protos.py
+	$(PY) scripts/gen_protos.py
+
+protos: aiserve/v1/__init__.py
+
+model: protos
+	$(VENV)/bin/aiserve models pull
+
+run: model
+	$(VENV)/bin/aiserve run
+
+lint: protos
+	$(VENV)/bin/ruff check aiserve services tests scripts
+	$(VENV)/bin/mypy aiserve services
+
+test: model lint
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+bench: model
+	$(PY) -m bench.run
+
+lock:
+	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements.lock.new
+	mv requirements.lock.new requirements.lock
+
+clean:
+	rm -rf $(VENV) aiserve/v1

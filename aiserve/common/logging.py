@@ -1,0 +1,42 @@
+"""JSON logs to stdout through structlog, with the request id bound to every line."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+from aiserve.common.context import request_id_var, traceparent_var
+
+
+def _add_request_context(_: object, __: str, event: dict[str, object]) -> dict[str, object]:
+    if (rid := request_id_var.get()) and "request_id" not in event:
+        event["request_id"] = rid
+    if tp := traceparent_var.get():
+        event.setdefault("traceparent", tp)
+    return event
+
+
+def configure_logging(service: str, level: str = "info") -> None:
+    """One JSON object per line on stdout: timestamp, level, service, event, request_id, ..."""
+    numeric = logging.getLevelName(level.upper())
+    logging.basicConfig(stream=sys.stdout, level=numeric, format="%(message)s")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            _add_request_context,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer(),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        cache_logger_on_first_use=True,
+    )
+    structlog.contextvars.bind_contextvars(service=service)
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name) if name else structlog.get_logger()

@@ -1,0 +1,127 @@
+"""Server plumbing shared by the four services: health, reflection, metrics, graceful stop.
+
+A service's ``create_server(config)`` calls ``new_server`` and registers its servicer; its
+``main()`` calls ``serve``. Health stays NOT_SERVING until the service says it is warm, and goes
+back to NOT_SERVING on SIGTERM/SIGINT, before in-flight RPCs get ``grace_s`` to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc import aio
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from aiserve.common.interceptors import ServerInterceptor
+from aiserve.common.logging import get_logger
+
+log = get_logger("server")
+
+_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.so_reuseport", 0),
+]
+
+
+@dataclass
+class ServiceHandle:
+    """A built (not yet started) gRPC server with its health servicer and bound port."""
+
+    name: str
+    server: aio.Server
+    health: health.aio.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", *self.service_names):
+            await self.health.set(name, status)
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight RPCs finish for up to ``grace_s``, release resources."""
+        await self.set_serving(False)
+        await self.server.stop(grace_s)
+        for close in reversed(self.on_close):
+            await close()
+
+
+def new_server(name: str, service_names: Sequence[str], host: str, port: int) -> ServiceHandle:
+    """A server with the common interceptor, health (NOT_SERVING) and reflection, bound to a port.
+
+    ``port`` 0 binds a free port; the handle's ``port`` is the one bound.
+    """
+    server = aio.server(interceptors=[ServerInterceptor(name)], options=_OPTIONS)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+             reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"{name}: cannot bind {host}:{port}")
+    return ServiceHandle(name, server, health_servicer, bound, tuple(service_names))
+
+
+def start_metrics(port: int, host: str = "127.0.0.1") -> None:
+    """Prometheus metrics over HTTP (0 = disabled)."""
+    if port:
+        start_http_server(port, addr=host)
+
+
+async def serve(
+    handle: ServiceHandle,
+    grace_s: float,
+    warmup: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Start, warm up, report SERVING, and run until SIGTERM/SIGINT; then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await handle.start()
+    if warmup is not None:
+        await warmup()
+    await handle.set_serving(True)
+    log.info("serving", service=handle.name, port=handle.port)
+    await stop.wait()
+    log.info("stopping", service=handle.name, grace_s=grace_s)
+    await handle.stop(grace_s)
+    log.info("stopped", service=handle.name)
+
+
+async def wait_for_serving(address: str, timeout_s: float, service: str = "") -> None:
+    """Block until ``address`` reports SERVING (uses Health.Watch: no polling with sleeps)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    async with aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s")
+            try:
+                call = stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=remaining,
+                                  wait_for_ready=True)
+                async for reply in call:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                    raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s") from exc
+                # Server went away mid-watch (restart): wait_for_ready makes the next try block.
+                await asyncio.wait_for(channel.channel_ready(), timeout=max(remaining, 0.01))
