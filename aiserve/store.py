@@ -204,7 +204,7 @@ def _convert(load_dir: Path, out_dir: Path, gguf_file: str | None) -> None:
     if gguf_file:
         # The weights are already de-quantized to float32; drop the GGUF quantizer so that
         # transformers writes them as plain safetensors.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

@@ -99,7 +99,7 @@ class ServerInterceptor(aio.ServerInterceptor):
         method: str = details.method  # type: ignore[attr-defined]
         if handler is None or method.startswith(_QUIET_PREFIXES):
             return handler
-        kinds = {
+        kinds: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
             "unary_unary": (self._unary, grpc.unary_unary_rpc_method_handler),
             "stream_unary": (self._unary, grpc.stream_unary_rpc_method_handler),
             "unary_stream": (self._streaming, grpc.unary_stream_rpc_method_handler),
@@ -107,7 +107,7 @@ class ServerInterceptor(aio.ServerInterceptor):
         }
         for attr, (wrap, make) in kinds.items():
             if (behavior := getattr(handler, attr)) is not None:
-                return make(
+                return make(  # type: ignore[no-any-return]
                     wrap(behavior, method),
                     request_deserializer=handler.request_deserializer,
                     response_serializer=handler.response_serializer,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
 from aiserve.common.context import request_id_var, traceparent_var
 
 
-def _add_request_context(_: object, __: str, event: dict[str, object]) -> dict[str, object]:
+def _add_request_context(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     if (rid := request_id_var.get()) and "request_id" not in event:
         event["request_id"] = rid
     if tp := traceparent_var.get():

@@ -51,6 +51,8 @@ class ServiceHandle:
             await self.health.set(name, status)
 
     async def start(self) -> None:
+        # grpc's HealthServicer reports "" as SERVING from birth; stay NOT_SERVING until warm.
+        await self.set_serving(False)
         await self.server.start()
 
     async def stop(self, grace_s: float) -> None:

@@ -1,0 +1,137 @@
+"""Request validation and sampling resolution: presets, defaults, ranges (DESIGN.md §4).
+
+Every error names the field and its limit, and is INVALID_ARGUMENT. No grpc or pb here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+from aiserve.common.errors import InvalidArgument
+from services.gateway.config import GatewayConfig
+
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingInput:
+    """What the client asked for; None = not set."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+    max_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    preset: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Fully resolved decoding parameters."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    repetition_penalty: float
+    max_new_tokens: int
+    stop: tuple[str, ...]
+    seed: int | None
+
+    @property
+    def is_deterministic(self) -> bool:
+        return self.temperature == 0.0 or self.seed is not None
+
+    def cache_key(self) -> str:
+        """Canonical text of everything here that changes the answer (the cache scope)."""
+        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+
+
+# Source §2.3: factual Q&A wants a low temperature with top-p 0.9; creative writing a higher
+# temperature with a repetition penalty.
+PRESETS: dict[str, dict[str, float]] = {
+    "": {},
+    "factual": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.0},
+    "creative": {"temperature": 0.8, "top_p": 0.95, "repetition_penalty": 1.1},
+}
+_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
+
+
+def _check_range(field: str, value: float, low: float, high: float, low_open: bool = False) -> None:
+    below = value <= low if low_open else value < low
+    if below or value > high or value != value:  # value != value: NaN
+        bracket = "(" if low_open else "["
+        raise InvalidArgument(f"sampling.{field}: must be in {bracket}{low}, {high}], got {value}")
+
+
+def resolve_sampling(given: SamplingInput, config: GatewayConfig) -> Sampling:
+    """Preset < explicit fields; then defaults; then range checks."""
+    if given.preset not in PRESETS:
+        raise InvalidArgument(
+            f"sampling.preset: unknown preset {given.preset!r}; known: factual, creative, or empty"
+        )
+    values: dict[str, float | int | None] = {**_DEFAULTS, **PRESETS[given.preset]}
+    for name in ("temperature", "top_p", "top_k", "repetition_penalty"):
+        if (explicit := getattr(given, name)) is not None:
+            values[name] = explicit
+    max_new = given.max_new_tokens if given.max_new_tokens is not None else config.default_max_new_tokens
+    _check_range("temperature", float(values["temperature"] or 0.0), 0.0, 2.0)
+    _check_range("top_p", float(values["top_p"] or 0.0), 0.0, 1.0, low_open=True)
+    _check_range("repetition_penalty", float(values["repetition_penalty"] or 0.0), 0.5, 2.0)
+    if not 0 <= int(values["top_k"] or 0) <= 1_000_000:
+        raise InvalidArgument(f"sampling.top_k: must be in [0, 1000000], got {values['top_k']}")
+    if not 1 <= max_new <= config.max_new_tokens_limit:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: must be in [1, {config.max_new_tokens_limit}], got {max_new}"
+        )
+    if len(given.stop) > config.max_stop_strings:
+        raise InvalidArgument(
+            f"sampling.stop: at most {config.max_stop_strings} strings, got {len(given.stop)}"
+        )
+    for text in given.stop:
+        if not 1 <= len(text) <= config.max_stop_chars:
+            raise InvalidArgument(
+                f"sampling.stop: each string must be 1..{config.max_stop_chars} characters, "
+                f"got {len(text)}"
+            )
+    return Sampling(
+        temperature=float(values["temperature"] or 0.0),
+        top_p=float(values["top_p"] or 0.0),
+        top_k=int(values["top_k"] or 0),
+        repetition_penalty=float(values["repetition_penalty"] or 0.0),
+        max_new_tokens=max_new,
+        stop=given.stop,
+        seed=given.seed,
+    )
+
+
+def validate_input(prompt: str | None, messages: list[tuple[str, str]] | None, config: GatewayConfig) -> None:
+    """Exactly one of prompt / chat; non-empty; within the character limits."""
+    if prompt is None and messages is None:
+        raise InvalidArgument("input: set either prompt or chat")
+    if prompt is not None:
+        if not prompt:
+            raise InvalidArgument("prompt: must not be empty")
+        if len(prompt) > config.max_prompt_chars:
+            raise InvalidArgument(
+                f"prompt: at most {config.max_prompt_chars} characters, got {len(prompt)}"
+            )
+        return
+    assert messages is not None
+    if not messages:
+        raise InvalidArgument("chat.messages: must hold at least one message")
+    if len(messages) > config.max_chat_messages:
+        raise InvalidArgument(
+            f"chat.messages: at most {config.max_chat_messages} messages, got {len(messages)}"
+        )
+    total = 0
+    for i, (role, content) in enumerate(messages):
+        if role not in ROLES:
+            raise InvalidArgument(f"chat.messages[{i}].role: must be system, user or assistant, got {role!r}")
+        if not content:
+            raise InvalidArgument(f"chat.messages[{i}].content: must not be empty")
+        total += len(content)
+    if total > config.max_prompt_chars:
+        raise InvalidArgument(f"chat.messages: at most {config.max_prompt_chars} characters in all, got {total}")

@@ -1,0 +1,73 @@
+import pytest
+
+from aiserve.common.errors import InvalidArgument
+from services.gateway.config import GatewayConfig
+from services.gateway.validation import SamplingInput, resolve_sampling, validate_input
+
+CONFIG = GatewayConfig(default_max_new_tokens=64, max_new_tokens_limit=512, max_stop_strings=2, max_stop_chars=8)
+
+
+def test_defaults_are_greedy() -> None:
+    s = resolve_sampling(SamplingInput(), CONFIG)
+    assert (s.temperature, s.top_p, s.top_k, s.repetition_penalty, s.max_new_tokens) == (0.0, 1.0, 0, 1.0, 64)
+    assert s.is_deterministic
+
+
+def test_presets_follow_the_source_and_explicit_fields_override() -> None:
+    factual = resolve_sampling(SamplingInput(preset="factual"), CONFIG)
+    assert 0.1 <= factual.temperature <= 0.3 and factual.top_p == pytest.approx(0.9)
+    creative = resolve_sampling(SamplingInput(preset="creative"), CONFIG)
+    assert 0.7 <= creative.temperature <= 0.9 and creative.repetition_penalty > 1.0
+    assert resolve_sampling(SamplingInput(preset="creative", temperature=0.5), CONFIG).temperature == 0.5
+
+
+@pytest.mark.parametrize(
+    ("given", "field"),
+    [
+        (SamplingInput(preset="wild"), "sampling.preset"),
+        (SamplingInput(temperature=2.5), "sampling.temperature"),
+        (SamplingInput(temperature=-0.1), "sampling.temperature"),
+        (SamplingInput(temperature=float("nan")), "sampling.temperature"),
+        (SamplingInput(top_p=0.0), "sampling.top_p"),
+        (SamplingInput(top_p=1.5), "sampling.top_p"),
+        (SamplingInput(repetition_penalty=3.0), "sampling.repetition_penalty"),
+        (SamplingInput(top_k=-1), "sampling.top_k"),
+        (SamplingInput(max_new_tokens=0), "sampling.max_new_tokens"),
+        (SamplingInput(max_new_tokens=513), "sampling.max_new_tokens"),
+        (SamplingInput(stop=("a", "b", "c")), "sampling.stop"),
+        (SamplingInput(stop=("x" * 9,)), "sampling.stop"),
+    ],
+)
+def test_out_of_range_names_the_field_and_limit(given: SamplingInput, field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        resolve_sampling(given, CONFIG)
+    assert info.value.message.startswith(field)
+    assert any(ch.isdigit() for ch in info.value.message) or "preset" in field
+
+
+def test_cache_key_changes_with_answer_changing_params() -> None:
+    a = resolve_sampling(SamplingInput(), CONFIG).cache_key()
+    b = resolve_sampling(SamplingInput(max_new_tokens=65), CONFIG).cache_key()
+    assert a != b and a == resolve_sampling(SamplingInput(), CONFIG).cache_key()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "messages", "needle"),
+    [
+        (None, None, "input"),
+        ("", None, "prompt"),
+        ("x" * 200_001, None, "prompt: at most 200000"),
+        (None, [], "chat.messages"),
+        (None, [("robot", "hi")], "chat.messages[0].role"),
+        (None, [("user", "")], "chat.messages[0].content"),
+    ],
+)
+def test_bad_input(prompt: str | None, messages: list[tuple[str, str]] | None, needle: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        validate_input(prompt, messages, GatewayConfig())
+    assert needle in info.value.message
+
+
+def test_good_input_passes() -> None:
+    validate_input("hi", None, GatewayConfig())
+    validate_input(None, [("system", "be brief"), ("user", "hi")], GatewayConfig())
