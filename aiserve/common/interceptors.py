@@ -160,25 +160,33 @@ def _with_context(details: aio.ClientCallDetails) -> aio.ClientCallDetails:
     return details._replace(metadata=metadata)  # type: ignore[attr-defined,no-any-return]
 
 
-class ForwardContextInterceptor(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
-    """Adds the current request id and trace parent to every outgoing call."""
-
+class _ForwardUnaryUnary(aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(_with_context(client_call_details), request)
 
+
+class _ForwardUnaryStream(aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(_with_context(client_call_details), request)
 
+
+class _ForwardStreamUnary(aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(_with_context(client_call_details), request_iterator)
 
+
+class _ForwardStreamStream(aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(_with_context(client_call_details), request_iterator)
+
+
+def forward_context_interceptors() -> list[aio.ClientInterceptor]:
+    """Interceptors that add the current request id and trace parent to every outgoing call.
+
+    One object per call kind: grpc.aio files each interceptor under the first call kind it
+    matches, so a single class deriving from all four would only see unary-unary calls.
+    """
+    return [_ForwardUnaryUnary(), _ForwardUnaryStream(), _ForwardStreamUnary(), _ForwardStreamStream()]
 
 
 def downstream_channel(address: str) -> aio.Channel:
@@ -187,5 +195,9 @@ def downstream_channel(address: str) -> aio.Channel:
         ("grpc.max_receive_message_length", 64 << 20),
         ("grpc.max_send_message_length", 64 << 20),
         ("grpc.enable_retries", 1),
+        # Backends live on the same host or mesh: reconnect quickly after a restart.
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
     ]
-    return aio.insecure_channel(address, options=options, interceptors=[ForwardContextInterceptor()])
+    return aio.insecure_channel(address, options=options, interceptors=forward_context_interceptors())
