@@ -1,0 +1,176 @@
+"""The container files, checked without a Docker engine (none runs on the development machines).
+
+compose.yaml is validated against the Compose Specification's JSON schema (tests/data, a copy
+of compose-spec/compose-spec's schema) and checked for the properties the suite relies on; the
+Dockerfile for a pinned base image and the locked dependencies; the health probe the compose
+health checks run, against a real gRPC health service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from aiserve import healthprobe
+from aiserve.common.server import ServiceHandle, new_server
+from aiserve.store import DEFAULT_MODEL
+
+ROOT = Path(__file__).resolve().parents[2]
+BACKENDS = ("tokenizer", "inference", "cache")
+LONG_RUNNING = (*BACKENDS, "gateway")
+PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    data = yaml.safe_load((ROOT / "compose.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+@pytest.fixture(scope="module")
+def validator() -> jsonschema.protocols.Validator:
+    schema = json.loads((ROOT / "tests" / "data" / "compose-spec.json").read_text())
+    assert "draft-07" in schema["$schema"]  # so Draft7Validator is the right class
+    jsonschema.Draft7Validator.check_schema(schema)
+    return jsonschema.Draft7Validator(schema)
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> str:
+    return (ROOT / "Dockerfile").read_text()
+
+
+def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return compose["services"]
+
+
+def test_compose_matches_the_compose_specification(
+    compose: dict[str, Any], validator: jsonschema.protocols.Validator
+) -> None:
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+
+
+def test_the_schema_check_is_not_vacuous(
+    compose: dict[str, Any], validator: jsonschema.protocols.Validator
+) -> None:
+    broken = copy.deepcopy(compose)
+    broken["services"]["gateway"]["portz"] = ["50051:50051"]
+    broken["services"]["cache"]["depends_on"] = {"models": {"condition": "when_ready"}}
+    assert len(list(validator.iter_errors(broken))) == 2
+
+
+def test_only_the_gateway_publishes_a_port(compose: dict[str, Any]) -> None:
+    published = {name for name, svc in services(compose).items() if svc.get("ports")}
+    assert published == {"gateway"}
+    assert [str(p).split(":")[-1] for p in services(compose)["gateway"]["ports"]] == ["50051"]
+
+
+def test_backends_are_only_on_the_internal_network(compose: dict[str, Any]) -> None:
+    networks = compose["networks"]
+    internal = {name for name, net in networks.items() if (net or {}).get("internal") is True}
+    assert internal == {"backend"}
+    for name in BACKENDS:
+        assert services(compose)[name]["networks"] == ["backend"], name
+    assert set(services(compose)["gateway"]["networks"]) == {"backend", "frontend"}
+    assert not (networks["frontend"] or {}).get("internal")
+    assert services(compose)["models"]["network_mode"] == "none"
+
+
+def test_every_long_running_service_has_a_health_probe_on_its_port(compose: dict[str, Any]) -> None:
+    for name in LONG_RUNNING:
+        svc = services(compose)[name]
+        assert svc["healthcheck"]["test"] == [
+            "CMD", "python", "-m", "aiserve.healthprobe", f"127.0.0.1:{PORTS[name]}"], name
+        command = svc["command"]
+        assert command[:3] == ["python", "-m", f"services.{name}"], name
+        assert command[command.index("--host") + 1] == "0.0.0.0", name
+        assert command[command.index("--port") + 1] == str(PORTS[name]), name
+
+
+def test_start_order_waits_for_the_model_and_for_health(compose: dict[str, Any]) -> None:
+    def conditions(name: str) -> dict[str, str]:
+        return {dep: spec["condition"] for dep, spec in services(compose)[name].get("depends_on", {}).items()}
+
+    assert services(compose)["models"]["command"] == ["aiserve", "models", "pull"]
+    for name in ("tokenizer", "inference"):
+        assert conditions(name) == {"models": "service_completed_successfully"}
+    assert conditions("gateway") == {name: "service_healthy" for name in BACKENDS}
+    command = services(compose)["gateway"]["command"]
+    for name in BACKENDS:
+        flag = f"--{name}-address"
+        assert command[command.index(flag) + 1] == f"{name}:{PORTS[name]}"
+
+
+def test_every_service_shares_the_volume_at_data(compose: dict[str, Any]) -> None:
+    assert "aiserve-data" in compose["volumes"]
+    for name, svc in services(compose).items():
+        assert "aiserve-data:/data" in svc["volumes"], name
+        assert svc["environment"]["AISERVE_HOME"] == "/data", name
+        assert svc["image"] == "aiserve:0.1.0", name
+    assert "AISERVE_INFERENCE_TORCH_THREADS" in services(compose)["inference"]["environment"]
+
+
+def test_dockerfile_base_image_is_pinned(dockerfile: str) -> None:
+    froms = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.MULTILINE)
+    assert froms == ["python:3.11.7-slim-bookworm"]
+    image, _, tag = froms[0].partition(":")
+    assert tag and "latest" not in tag
+    assert re.match(r"^3\.11\.\d+-", tag), tag
+
+
+def test_dockerfile_installs_the_lock_with_the_cpu_torch_index(dockerfile: str) -> None:
+    runs = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if line.startswith("RUN"))
+    assert re.search(r"pip install [^&]*--extra-index-url https://download\.pytorch\.org/whl/cpu"
+                     r" -r requirements\.lock", runs)
+    assert "scripts/gen_protos.py" in runs
+    assert "pip install --no-deps -e ." in runs
+    assert re.search(r"^USER (?!root|0\b)\S+", dockerfile, flags=re.MULTILINE)
+    assert re.search(r"HF_HUB_OFFLINE=1", dockerfile)
+    assert re.search(r"AISERVE_HOME=/data", dockerfile)
+    # The model wheel baked into the image is the one aiserve.store pins.
+    assert f"ARG MODEL_WHEEL={DEFAULT_MODEL.requirement}\n" in dockerfile
+
+
+def test_dockerignore_keeps_local_state_out_of_the_image() -> None:
+    ignored = set((ROOT / ".dockerignore").read_text().split())
+    assert {".venv", "var", ".git", "aiserve/v1"} <= ignored
+
+
+@pytest.fixture
+async def health_server() -> AsyncIterator[ServiceHandle]:
+    handle = new_server("probe-test", [], "127.0.0.1", 0)
+    try:
+        await handle.start()
+        yield handle
+    finally:
+        await handle.stop(0)
+
+
+async def test_healthprobe_exits_0_only_when_serving(
+    health_server: ServiceHandle, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The probe is synchronous gRPC: run it off the event loop that serves the health service.
+    address = f"127.0.0.1:{health_server.port}"
+    assert await asyncio.to_thread(healthprobe.main, [address, "--timeout", "5"]) == 1
+    assert "NOT_SERVING" in capsys.readouterr().err
+    await health_server.set_serving(True)
+    assert await asyncio.to_thread(healthprobe.main, [address, "--timeout", "5"]) == 0
+    assert await asyncio.to_thread(healthprobe.main, [address, "--service", "nope", "--timeout", "5"]) == 1
+    assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_healthprobe_fails_with_one_line_when_nothing_listens(capsys: pytest.CaptureFixture[str]) -> None:
+    assert healthprobe.main(["127.0.0.1:1", "--timeout", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "UNAVAILABLE" in err
