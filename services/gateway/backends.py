@@ -109,11 +109,17 @@ class Backends:
 
     async def _check_pairing(self, wanted: str) -> RouteInfo:
         try:
+            # wait_for_ready: a backend that just restarted is waited for (briefly) instead of
+            # failing the request while the channel is still reconnecting.
             tok, inf = await asyncio.gather(
-                self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=INFO_TIMEOUT_S),
-                self.inference.Info(inference_pb2.InferenceInfoRequest(), timeout=INFO_TIMEOUT_S),
+                self.tokenizer.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=INFO_TIMEOUT_S,
+                                    wait_for_ready=True),
+                self.inference.Info(inference_pb2.InferenceInfoRequest(), timeout=INFO_TIMEOUT_S,
+                                    wait_for_ready=True),
             )
         except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):  # type: ignore[attr-defined]
+                raise Unavailable(f"tokenizer or inference did not answer within {INFO_TIMEOUT_S:.0f}s") from exc
             raise downstream_error("backend", exc) from exc
         if inf.model != wanted:
             raise NotFound(f"model: {wanted!r} is not loaded by inference (it serves {inf.model!r})")
