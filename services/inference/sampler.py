@@ -1,0 +1,136 @@
+"""Batched token sampling: every row of a batch applies its own decoding parameters.
+
+One call turns the last-position logits of a batch into one id per row. Order per row:
+repetition penalty -> greedy argmax (temperature 0) or temperature -> top-k -> top-p ->
+a draw from the row's own ``torch.Generator``. A row's draw consumes only its own generator,
+so a seeded request gives the same tokens whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from aiserve.common.errors import InvalidArgument
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Fully resolved decoding parameters of one request (the gateway applies presets)."""
+
+    temperature: float = 0.0
+    """0 = greedy (argmax); otherwise 0 < temperature <= 2."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of ids whose probability sums to >= top_p. (0, 1]; 1 = off."""
+    top_k: int = 0
+    """Keep the k most likely ids; 0 = off."""
+    repetition_penalty: float = 1.0
+    """CTRL penalty on ids already in the prompt or output; 1 = off; 0.5..2.0."""
+    seed: int | None = None
+    """Seed of the request's own generator; None = random."""
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise InvalidArgument naming the first field out of range and its limit."""
+        checks = (
+            (0.0 <= self.temperature <= 2.0, f"temperature: must be 0..2, got {self.temperature}"),
+            (0.0 < self.top_p <= 1.0, f"top_p: must be in (0, 1], got {self.top_p}"),
+            (0 <= self.top_k <= vocab_size, f"top_k: must be 0..{vocab_size}, got {self.top_k}"),
+            (0.5 <= self.repetition_penalty <= 2.0,
+             f"repetition_penalty: must be 0.5..2.0, got {self.repetition_penalty}"),
+            (self.seed is None or 0 <= self.seed < 2**64, f"seed: must be 0..2^64-1, got {self.seed}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise InvalidArgument(message)
+
+
+def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:
+    """The request's own generator: seeded from ``params.seed``, else from fresh entropy.
+
+    Greedy requests draw nothing and get None.
+    """
+    if params.is_greedy:
+        return None
+    generator = torch.Generator(device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
+
+
+def _apply_repetition_penalty(
+    logits: torch.Tensor, params: Sequence[SamplingParams], seen_ids: Sequence[Sequence[int]]
+) -> torch.Tensor:
+    """CTRL: for ids already seen, divide positive logits and multiply negative ones by the penalty."""
+    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 and len(seen_ids[i])]
+    if not rows:
+        return logits
+    width = max(len(seen_ids[i]) for i in rows)
+    # Pad each row's ids with its own first id: scattering the same penalty twice is harmless.
+    index = torch.tensor(
+        [list(seen_ids[i]) + [seen_ids[i][0]] * (width - len(seen_ids[i])) for i in rows],
+        dtype=torch.long, device=logits.device,
+    )  # [R, S]
+    penalty = torch.tensor([params[i].repetition_penalty for i in rows],
+                           dtype=logits.dtype, device=logits.device)  # [R]
+    factor = torch.ones(len(rows), logits.shape[1], dtype=logits.dtype, device=logits.device)
+    factor.scatter_(1, index, penalty[:, None].expand_as(index))  # [R, V]; 1 where unseen
+    picked = logits[rows]  # [R, V]
+    logits[rows] = torch.where(picked > 0, picked / factor, picked * factor)
+    return logits
+
+
+def _sample_rows(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """Temperature, top-k, top-p and one draw per row; ``logits`` [R, V] -> ids [R]."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)  # [R]
+    top_k = torch.tensor([p.top_k or logits.shape[1] for p in params], device=device)  # [R]
+    top_p = torch.tensor([p.top_p for p in params], device=device)  # [R]
+    sorted_logits, sorted_ids = torch.sort(logits / temperature[:, None], dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[1], device=device)  # [V]
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
+    # Nucleus: drop an id when the ids ranked above it already hold top_p; rank 0 always stays.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    cdf = torch.cumsum(probs, dim=-1)  # [R, V], unnormalised
+    # One uniform per row from the row's own generator (inverse-CDF draw).
+    uniform = torch.cat([torch.rand(1, generator=g, device=device) for g in generators])  # [R]
+    target = uniform * cdf[:, -1]
+    rank = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=logits.shape[1] - 1)
+    # Float rounding can land on a zero-probability tail id; fall back to the best id then.
+    rank = torch.where(probs.gather(1, rank) > 0, rank, torch.zeros_like(rank))
+    return sorted_ids.gather(1, rank).squeeze(1)
+
+
+def sample(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+    seen_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Pick one id per row.
+
+    logits: [B, V] last-position logits (any float dtype; not modified). params, generators,
+    seen_ids: one entry per row; ``seen_ids`` is the row's prompt + generated ids (repetition
+    penalty); a None generator draws from torch's global generator. Returns ids: [B] long.
+    """
+    if not len(params) == len(generators) == len(seen_ids) == logits.shape[0]:
+        raise ValueError("sample: logits, params, generators and seen_ids differ in batch size")
+    logits = logits.to(torch.float32, copy=True)  # [B, V]
+    logits = _apply_repetition_penalty(logits, params, seen_ids)
+    ids = torch.argmax(logits, dim=-1)  # [B]; the answer of greedy rows
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if rows:
+        drawn = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
+        ids[rows] = drawn
+    return ids

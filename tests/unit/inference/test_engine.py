@@ -1,0 +1,210 @@
+"""The engine on the real model (float32): exactness, stop conditions, queueing, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from aiserve.store import Manifest
+from services.inference.engine import Engine, GenerateRequest, TokenEvent
+from services.inference.model import LoadedModel, load_model
+
+LONG = 4000  # more tokens than any test waits for: such a request runs until cancelled
+
+
+@pytest.fixture(scope="module")
+def loaded(model_dir: Path, manifest: Manifest) -> LoadedModel:
+    torch.set_num_threads(2)
+    return load_model(model_dir, manifest, "cpu", "float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Tokenizer:
+    return Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+
+
+@pytest.fixture
+async def engine(loaded: LoadedModel) -> AsyncIterator[Engine]:
+    engine = Engine(loaded, max_queue=2, max_new_tokens_limit=LONG)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def make_request(request_id: str, prompt: tuple[int, ...], max_new_tokens: int,
+            **fields: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=request_id, prompt_token_ids=prompt,
+                           max_new_tokens=max_new_tokens, **fields)
+
+
+def chat(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
+    rendered = f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+    return tuple(tokenizer.encode(rendered).ids)
+
+
+async def collect(engine: Engine, request: GenerateRequest) -> list[TokenEvent]:
+    return [event async for event in engine.generate(request)]
+
+
+def test_weights_live_in_ordinary_memory(loaded: LoadedModel, model_dir: Path) -> None:
+    maps = Path("/proc/self/maps")
+    if not maps.exists():
+        pytest.skip("needs /proc")
+    assert str((model_dir / "model.safetensors").resolve()) not in maps.read_text()
+    assert loaded.eos_token_ids == frozenset({2})  # <|im_end|>, from config and tokenizer
+    assert (loaded.context_length, loaded.vocab_size) == (8192, 49152)
+
+
+async def test_greedy_matches_transformers_generate(engine: Engine, tokenizer: Tokenizer) -> None:
+    prompt = chat(tokenizer, "Write a long story about a dragon.")
+    events = await collect(engine, make_request("g", prompt, max_new_tokens=24))
+    ids = [i for e in events for i in e.token_ids]
+    with torch.inference_mode():
+        expected = engine.model.model.generate(  # type: ignore[operator]
+            torch.tensor([prompt]), do_sample=False, max_new_tokens=24
+        )[0, len(prompt):].tolist()
+    assert ids == expected
+    assert all(len(e.token_ids) == 1 for e in events)  # one event per token
+    last = events[-1]
+    assert (last.finish_reason, last.prompt_tokens, last.completion_tokens) == (
+        "length", len(prompt), 24)
+    assert last.compute_ms > 0 and last.queue_ms >= 0
+
+
+async def test_max_new_tokens_finishes_with_length(engine: Engine, tokenizer: Tokenizer) -> None:
+    events = await collect(engine, make_request("l", chat(tokenizer, "Hi"), max_new_tokens=3))
+    assert [e.finish_reason for e in events] == [None, None, "length"]
+
+
+async def test_eos_finishes_with_stop(engine: Engine, tokenizer: Tokenizer) -> None:
+    prompt = chat(tokenizer, "What is 2+2? Answer with a number only.")
+    events = await collect(engine, make_request("e", prompt, max_new_tokens=32))
+    assert events[-1].finish_reason == "stop"
+    assert events[-1].token_ids[0] in engine.model.eos_token_ids
+    # ignore_eos generates past the EOS id to max_new_tokens.
+    past_eos = make_request("i", prompt, max_new_tokens=len(events) + 2, ignore_eos=True)
+    assert (await collect(engine, past_eos))[-1].finish_reason == "length"
+
+
+async def test_stop_token_ids_finish_with_stop(engine: Engine, tokenizer: Tokenizer) -> None:
+    prompt = chat(tokenizer, "Write a long story about a dragon.")
+    first_two = [e.token_ids[0] for e in await collect(engine, make_request("a", prompt, 2))]
+    stop_at = make_request("s", prompt, max_new_tokens=20, stop_token_ids=frozenset(first_two[1:]))
+    events = await collect(engine, stop_at)
+    assert [e.token_ids[0] for e in events] == first_two
+    assert events[-1].finish_reason == "stop"
+
+
+async def test_closing_the_stream_frees_the_request(engine: Engine, tokenizer: Tokenizer) -> None:
+    stream = engine.generate(make_request("c", chat(tokenizer, "Count to a million."), LONG))
+    for _ in range(3):
+        await anext(stream)
+    assert engine.num_running == 1
+    await stream.aclose()
+    assert await engine.wait_idle(timeout_s=10)
+    assert engine.num_running == 0
+
+
+async def test_cancelling_the_consumer_task_frees_the_request(
+    engine: Engine, tokenizer: Tokenizer
+) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.generate(make_request("t", chat(tokenizer, "Go on."), LONG)):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), timeout=30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await engine.wait_idle(timeout_s=10)
+
+
+async def start_long(engine: Engine, tokenizer: Tokenizer) -> AsyncGenerator[TokenEvent, None]:
+    """A request that occupies the model until its stream is closed."""
+    stream = engine.generate(make_request("busy", chat(tokenizer, "Tell me everything."), LONG))
+    await anext(stream)  # it is running now
+    return stream
+
+
+async def test_deadline_passing_in_the_queue_fails_and_never_runs(
+    engine: Engine, tokenizer: Tokenizer
+) -> None:
+    busy = await start_long(engine, tokenizer)
+    try:
+        late = make_request("late", (1, 2, 3), 4, deadline=time.monotonic() + 0.3)
+        with pytest.raises(DeadlineExceeded):
+            await collect(engine, late)
+        assert engine.num_waiting == 0  # it left the queue
+        with pytest.raises(DeadlineExceeded):  # already past when submitted
+            await collect(engine, make_request("past", (1,), 1, deadline=time.monotonic()))
+    finally:
+        await busy.aclose()
+
+
+async def test_full_queue_is_resource_exhausted(engine: Engine, tokenizer: Tokenizer) -> None:
+    busy = await start_long(engine, tokenizer)
+    queued = [engine.generate(make_request(f"q{i}", (1, 2), 1)) for i in range(2)]
+    tasks: list[asyncio.Task[TokenEvent]] = [asyncio.create_task(anext(q)) for q in queued]
+    try:
+        await asyncio.sleep(0)  # one loop turn: each task's first anext enqueues synchronously
+        assert engine.num_waiting == 2  # max_queue
+        with pytest.raises(ResourceExhausted, match="max_queue"):
+            await collect(engine, make_request("over", (1, 2), 1))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await busy.aclose()
+    assert await engine.wait_idle(timeout_s=10)
+
+
+async def test_higher_priority_runs_first(engine: Engine, tokenizer: Tokenizer) -> None:
+    busy = await start_long(engine, tokenizer)
+    order: list[str] = []
+
+    async def run(request_id: str, priority: int) -> None:
+        await collect(engine, make_request(request_id, (1, 2), 1, priority=priority))
+        order.append(request_id)
+
+    tasks = [asyncio.create_task(run("normal", 0)), asyncio.create_task(run("urgent", 5))]
+    await asyncio.sleep(0)  # both are queued behind the busy request
+    assert engine.num_waiting == 2
+    await busy.aclose()
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    assert order == ["urgent", "normal"]
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_new_tokens", "field"),
+    [
+        ((), 4, "prompt_token_ids: must hold at least 1"),
+        ((1, 49152), 4, "outside the vocabulary 0..49151"),
+        ((1, -1), 4, "outside the vocabulary"),
+        ((1,) * 8190, 4, "exceeds the context length 8192"),
+        ((1,), 0, "max_new_tokens: must be 1.."),
+    ],
+)
+async def test_invalid_requests_name_field_and_limit(
+    engine: Engine, prompt: tuple[int, ...], max_new_tokens: int, field: str
+) -> None:
+    with pytest.raises(InvalidArgument, match=field):
+        await collect(engine, make_request("bad", prompt, max_new_tokens))
+
+
+async def test_draining_refuses_new_requests(engine: Engine) -> None:
+    assert await engine.drain(timeout_s=10)
+    with pytest.raises(Unavailable):
+        await collect(engine, make_request("d", (1,), 1))

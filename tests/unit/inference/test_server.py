@@ -1,0 +1,112 @@
+"""The inference service in-process on a free port, called over real gRPC."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+import pytest_asyncio
+import torch
+from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from aiserve.store import Manifest, ModelStore
+from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.config import InferenceConfig
+from services.inference.server import create_server
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+TIMEOUT_S = 60.0
+PROMPT = [1, 9690, 198, 19556, 30, 2, 198, 1, 520, 9531, 198]  # system 'Hello.', then the assistant's turn
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def channel(store: ModelStore) -> AsyncIterator[aio.Channel]:
+    torch.set_num_threads(2)
+    config = InferenceConfig(port=0, metrics_port=0, dtype="float32", model_store=str(store.root))
+    handle = await create_server(config)
+    try:
+        await handle.start()
+        await handle.set_serving(True)
+        async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            yield channel
+    finally:
+        await handle.stop(0)
+
+
+def generate_request(max_new_tokens: int = 5, **fields: object) -> inference_pb2.InferenceRequest:
+    decoding = inference_pb2.Decoding(max_new_tokens=max_new_tokens, ignore_eos=True)
+    return inference_pb2.InferenceRequest(
+        prompt_token_ids=PROMPT, decoding=decoding, **fields  # type: ignore[arg-type]
+    )
+
+
+async def test_generate_streams_ids_then_a_final_message(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    call = stub.Generate(generate_request(5, request_id="r-1"), timeout=TIMEOUT_S)
+    messages = [m async for m in call]
+    assert [m.request_id for m in messages] == ["r-1"] * 5
+    assert all(len(m.token_ids) == 1 for m in messages)
+    assert all(m.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert (last.prompt_tokens, last.completion_tokens) == (len(PROMPT), 5)
+    assert last.compute_ms > 0
+
+
+async def test_request_id_defaults_to_the_metadata_one(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    call = stub.Generate(generate_request(2), timeout=TIMEOUT_S,
+                         metadata=(("x-request-id", "from-metadata"),))
+    assert {m.request_id async for m in call} == {"from-metadata"}
+
+
+async def test_info_reports_what_is_loaded(channel: aio.Channel, manifest: Manifest) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=TIMEOUT_S)
+    assert info.model == str(manifest.ref)
+    assert info.tokenizer_sha256 == manifest.tokenizer_sha256
+    assert (info.device, info.dtype) == ("cpu", "float32")
+    assert (info.context_length, info.vocab_size, list(info.eos_token_ids)) == (8192, 49152, [2])
+
+
+async def test_another_model_is_not_found(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    with pytest.raises(aio.AioRpcError) as caught:
+        async for _ in stub.Generate(generate_request(model="other@9.9"), timeout=TIMEOUT_S):
+            pass
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_empty_prompt_is_invalid_argument(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    request = inference_pb2.InferenceRequest(decoding=inference_pb2.Decoding(max_new_tokens=4))
+    with pytest.raises(aio.AioRpcError) as caught:
+        async for _ in stub.Generate(request, timeout=TIMEOUT_S):
+            pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "prompt_token_ids" in (caught.value.details() or "")
+
+
+async def test_health_answers_while_a_long_generation_streams(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    long_call = stub.Generate(generate_request(4000), timeout=TIMEOUT_S)
+    try:
+        await long_call.read()  # the model is busy now
+        started = time.monotonic()
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=2.0)
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert time.monotonic() - started < 2.0
+        # A queued request whose deadline passes fails and never runs.
+        with pytest.raises(aio.AioRpcError) as caught:
+            async for _ in stub.Generate(generate_request(2), timeout=0.5):
+                pass
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    finally:
+        long_call.cancel()
+    # The cancelled generation left the model: a new request runs to its end.
+    messages = [m async for m in stub.Generate(generate_request(2), timeout=TIMEOUT_S)]
+    assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
