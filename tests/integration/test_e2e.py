@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 from grpc import aio
 
@@ -15,14 +14,16 @@ TIMEOUT_S = 120
 
 def chat_request(text: str, max_new_tokens: int = 32, **kwargs: object) -> gateway_pb2.GenerateRequest:
     request = gateway_pb2.GenerateRequest(
-        sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens), **kwargs  # type: ignore[arg-type]
+        sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens),
+        **kwargs,  # type: ignore[arg-type]
     )
     request.chat.messages.add(role="user", content=text)
     return request
 
 
-async def stream(suite: Suite, request: gateway_pb2.GenerateRequest, request_id: str | None = None
-                 ) -> tuple[list[gateway_pb2.GenerateResponse], dict[str, str]]:
+async def stream(
+    suite: Suite, request: gateway_pb2.GenerateRequest, request_id: str | None = None
+) -> tuple[list[gateway_pb2.GenerateResponse], dict[str, str]]:
     metadata = (("x-request-id", request_id),) if request_id else ()
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=TIMEOUT_S, metadata=metadata)
@@ -81,8 +82,9 @@ async def test_second_identical_greedy_request_is_a_cache_hit(suite: Suite) -> N
 
 
 async def test_stop_string_ends_the_answer_without_returning_it(suite: Suite) -> None:
-    base = chat_request("Count from 1 to 20, separated by commas.", max_new_tokens=64,
-                        cache=gateway_pb2.CACHE_POLICY_BYPASS)
+    base = chat_request(
+        "Count from 1 to 20, separated by commas.", max_new_tokens=64, cache=gateway_pb2.CACHE_POLICY_BYPASS
+    )
     full = await complete(suite, base)
     assert "5" in full.text
     base.sampling.stop.append("5")

@@ -117,12 +117,19 @@ async def other_tokenizer(tmp_path: Path, store: ModelStore, model_ref: ModelRef
 
 
 async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_tokenizer: str) -> None:
-    config = GatewayConfig(port=0, metrics_port=0, tokenizer_address=other_tokenizer,
-                           inference_address=suite.config.address("inference"), cache_address="")
+    config = GatewayConfig(
+        port=0,
+        metrics_port=0,
+        tokenizer_address=other_tokenizer,
+        inference_address=suite.config.address("inference"),
+        cache_address="",
+    )
     handle = await create_server(config)
     await handle.start()
     try:
-        details = await expect_code(f"127.0.0.1:{handle.port}", chat_request("hello"), grpc.StatusCode.FAILED_PRECONDITION)
+        details = await expect_code(
+            f"127.0.0.1:{handle.port}", chat_request("hello"), grpc.StatusCode.FAILED_PRECONDITION
+        )
         assert "tokenizer sha256" in details
     finally:
         await handle.stop(0)

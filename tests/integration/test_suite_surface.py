@@ -38,9 +38,21 @@ async def test_every_service_serves_health_and_reflection(suite: Suite) -> None:
 
 def test_chat_cli_streams_and_reports_request_id_tokens_and_timings(suite: Suite) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "aiserve", "chat", "What is the capital of France?", "--max-new-tokens", "24",
-         "--address", suite.config.address("gateway")],
-        capture_output=True, text=True, timeout=180, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        [
+            sys.executable,
+            "-m",
+            "aiserve",
+            "chat",
+            "What is the capital of France?",
+            "--max-new-tokens",
+            "24",
+            "--address",
+            suite.config.address("gateway"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout

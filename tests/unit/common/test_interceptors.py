@@ -32,9 +32,13 @@ async def server() -> AsyncIterator[ServiceHandle]:
         await handle.stop(0)
 
 
-async def _lookup(handle: ServiceHandle, prompt: str, metadata: tuple = ()) -> tuple[cache_pb2.LookupResponse, aio.Metadata]:
+async def _lookup(
+    handle: ServiceHandle, prompt: str, metadata: tuple = ()
+) -> tuple[cache_pb2.LookupResponse, aio.Metadata]:
     async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-        call = cache_pb2_grpc.CacheStub(channel).Lookup(cache_pb2.LookupRequest(prompt=prompt), metadata=metadata, timeout=5)
+        call = cache_pb2_grpc.CacheStub(channel).Lookup(
+            cache_pb2.LookupRequest(prompt=prompt), metadata=metadata, timeout=5
+        )
         reply = await call
         return reply, await call.initial_metadata()
 
@@ -100,9 +104,13 @@ async def test_downstream_channel_forwards_the_request_id_on_unary_and_streaming
         request_id_var.set("fwd-42")
         channel = downstream_channel(f"127.0.0.1:{handle.port}")
         async with channel:
-            unary = await tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(tokenizer_pb2.TokenizeRequest(text="x"), timeout=5)
+            unary = await tokenizer_pb2_grpc.TokenizerStub(channel).Tokenize(
+                tokenizer_pb2.TokenizeRequest(text="x"), timeout=5
+            )
             assert unary.token_ids == [len("fwd-42")]
-            server_stream = inference_pb2_grpc.InferenceStub(channel).Generate(inference_pb2.InferenceRequest(), timeout=5)
+            server_stream = inference_pb2_grpc.InferenceStub(channel).Generate(
+                inference_pb2.InferenceRequest(), timeout=5
+            )
             assert [m.request_id async for m in server_stream] == ["fwd-42"]
             bidi = tokenizer_pb2_grpc.TokenizerStub(channel).DetokenizeStream(timeout=5)
             await bidi.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=[1]))
