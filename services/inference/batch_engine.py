@@ -1,0 +1,298 @@
+"""The continuous-batching engine: ``engine.Engine``'s public face over scheduler + runner.
+
+Asyncio callers never touch torch: ``generate`` queues a request with the scheduler (under the
+engine lock) and awaits its events. One worker thread loops schedule -> execute -> update; the
+model runs outside the lock, so new requests queue while a step computes and join the batch at
+the next step. Each event goes back to the caller's loop with ``call_soon_threadsafe``.
+Cancelling a caller's iteration aborts its sequence at the start of the next step, freeing
+its KV slot; a failed step frees the slots of the sequences it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from aiserve.common.logging import get_logger
+from services.inference.engine import GenerateRequest, TokenEvent
+from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
+from services.inference.llama import LlamaModel
+from services.inference.model import eos_token_ids
+from services.inference.runner import KVCacheError, ModelRunner, RowSampling
+from services.inference.sampler import new_generator
+from services.inference.scheduler import PrefixIndex, Scheduler, SchedulerConfig, SchedulerOutput, Seq
+
+log = get_logger("batch_engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for the Stats RPC and the metrics."""
+
+    num_running: int
+    num_waiting: int
+    kv_total_bytes: int
+    kv_used_bytes: int
+    kv_free_bytes: int
+    prefix_lookups: int
+    prefix_hits: int
+    prefix_hit_tokens: int
+    num_steps: int
+    num_generated_tokens: int
+    num_preemptions: int
+
+
+@dataclass(eq=False)
+class _Record:
+    """Engine-side state of one request: where its events go and how it samples."""
+
+    request: GenerateRequest
+    seq: Seq
+    sampling: RowSampling
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[TokenEvent | BaseException] = field(default_factory=asyncio.Queue)
+    compute_s: float = 0.0
+
+    def post(self, item: TokenEvent | BaseException) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody listens any more
+            pass
+
+    def event(self, token_ids: tuple[int, ...], reason: str | None) -> TokenEvent:
+        seq = self.seq
+        queued_s = (seq.first_scheduled or time.monotonic()) - seq.arrival
+        return TokenEvent(token_ids, reason, seq.num_prompt_tokens,  # type: ignore[arg-type]
+                          seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000)
+
+
+class BatchEngine:
+    """Runs many generations at once on one model; ``generate`` streams each one's events."""
+
+    def __init__(self, model: LlamaModel, eos_ids: frozenset[int],
+                 scheduler_config: SchedulerConfig | None = None,
+                 kv_config: KVCacheConfig | None = None, max_new_tokens_limit: int = 4096) -> None:
+        scheduler_config = scheduler_config or SchedulerConfig()
+        kv_config = kv_config or KVCacheConfig()
+        c = model.config
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+        plan = KVPlan.fit(kv_config, layout, scheduler_config.max_num_seqs, c.max_position_embeddings)
+        self.model, self.eos_ids, self.max_new_tokens_limit = model, eos_ids, max_new_tokens_limit
+        self.cache = KVCache(layout, plan, model.device)
+        prefix = PrefixIndex(plan.num_blocks, plan.block_size) if plan.num_blocks else None
+        self.scheduler = Scheduler(scheduler_config, plan.num_slots, plan.slot_len, prefix)
+        self.runner = ModelRunner(model, self.cache)
+        self._lock = threading.Condition()
+        self._records: dict[Seq, _Record] = {}
+        self._aborts: list[Seq] = []
+        self._is_accepting, self._is_stopping = True, False
+        self._thread: threading.Thread | None = None
+        self._num_steps = self._num_generated = 0
+
+    @classmethod
+    def from_folder(cls, folder: Path, device: str, dtype: torch.dtype, **kwargs: object) -> BatchEngine:
+        """Load the (verified) model folder and build an engine over it."""
+        model = LlamaModel.load(folder, device, dtype)
+        return cls(model, eos_token_ids(folder), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def is_draining(self) -> bool:
+        return not self._is_accepting
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s, prefix = self.scheduler, self.scheduler.prefix
+            used = self.cache.used_bytes(s.num_running, prefix.num_used_blocks if prefix else 0)
+            return EngineStats(
+                s.num_running, s.num_waiting, self.cache.total_bytes, used,
+                self.cache.total_bytes - used, prefix.num_lookups if prefix else 0,
+                prefix.num_hits if prefix else 0, prefix.num_hit_tokens if prefix else 0,
+                self._num_steps, self._num_generated, s.num_preemptions)
+
+    def start(self) -> None:
+        """Start the worker thread (idempotent)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="inference-batch", daemon=True)
+            self._thread.start()
+
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[TokenEvent, None]:
+        """Queue ``request`` and yield its events as its tokens are made.
+
+        Raises InvalidArgument (bad request), ResourceExhausted (queue full), Unavailable
+        (draining or stopped), DeadlineExceeded (deadline passed while queued), RuntimeError
+        (the step failed). Stopping the iteration cancels the request: it leaves the batch at
+        the next step and its KV slot is freed.
+        """
+        record = self._submit(request)
+        is_done = False
+        try:
+            while True:
+                item = await record.events.get()
+                if isinstance(item, BaseException):
+                    is_done = True
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    is_done = True
+                    return
+        finally:
+            if not is_done:
+                with self._lock:
+                    self._aborts.append(record.seq)
+                    self._lock.notify_all()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait (on the engine's condition, no polling) until nothing is queued or running."""
+        def wait() -> bool:
+            with self._lock:
+                return self._lock.wait_for(lambda: not self._records, timeout_s)
+
+        return await asyncio.to_thread(wait)
+
+    async def drain(self, timeout_s: float = 60.0) -> bool:
+        """Refuse new requests (Unavailable) and wait for the accepted ones to finish."""
+        with self._lock:
+            self._is_accepting = False
+        return await self.wait_idle(timeout_s)
+
+    async def stop(self) -> None:
+        """Refuse new requests, end the worker after its current step, then fail the queued
+        requests (Unavailable) and cancel the running ones."""
+        with self._lock:
+            self._is_accepting, self._is_stopping = False, True
+            self._lock.notify_all()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+        with self._lock:
+            for seq, record in list(self._records.items()):
+                was_waiting = seq.slot is None
+                self.scheduler.abort(seq)
+                record.post(Unavailable("inference is stopping") if was_waiting
+                            else record.event((), "cancelled"))
+            self._records.clear()
+            self._lock.notify_all()
+
+    # --- asyncio side -------------------------------------------------------------------------
+
+    def _submit(self, request: GenerateRequest) -> _Record:
+        self._validate(request)
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            raise DeadlineExceeded("deadline passed before the request was queued")
+        prompt = request.prompt_token_ids
+        stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_ids)
+        seq = Seq(list(prompt), len(prompt), request.max_new_tokens, request.priority,
+                  request.deadline, stop_ids)
+        sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
+        record = _Record(request, seq, sampling, asyncio.get_running_loop())
+        with self._lock:
+            if not self._is_accepting:
+                raise Unavailable("inference is draining; retry on another replica")
+            self.scheduler.add(seq)  # ResourceExhausted when the queue is full
+            self._records[seq] = record
+            self._lock.notify_all()
+        return record
+
+    def _validate(self, request: GenerateRequest) -> None:
+        prompt, vocab = request.prompt_token_ids, self.model.config.vocab_size
+        if not prompt:
+            raise InvalidArgument("prompt_token_ids: must hold at least 1 id, got 0")
+        if (bad := next((i for i in prompt if not 0 <= i < vocab), None)) is not None:
+            raise InvalidArgument(f"prompt_token_ids: id {bad} is outside the vocabulary 0..{vocab - 1}")
+        if not 1 <= request.max_new_tokens <= self.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens: must be 1..{self.max_new_tokens_limit}, "
+                                  f"got {request.max_new_tokens}")
+        if len(prompt) + request.max_new_tokens > self.scheduler.slot_len:
+            raise InvalidArgument(
+                f"prompt_token_ids + max_new_tokens: {len(prompt)} + {request.max_new_tokens} "
+                f"exceeds max_seq_len {self.scheduler.slot_len}")
+        request.params.validate(vocab)
+
+    # --- worker thread ------------------------------------------------------------------------
+
+    def _work(self) -> None:
+        with torch.inference_mode():
+            while self._wait_for_work():
+                try:
+                    self._step()
+                except Exception as exc:  # noqa: BLE001 - a bug: fail what runs, keep serving
+                    log.exception("engine_step_failed")
+                    with self._lock:
+                        failed = self.scheduler.fail(SchedulerOutput(), everything=True)
+                    self._fail(failed, exc)
+
+    def _wait_for_work(self) -> bool:
+        """Apply pending aborts; block until a step has work. False once stopping."""
+        with self._lock:
+            while not self._is_stopping:
+                for seq in self._aborts:
+                    self.scheduler.abort(seq)
+                self._aborts.clear()
+                wait_s = self.scheduler.wait_s()
+                if wait_s == 0.0:
+                    return True
+                self._lock.notify_all()  # wake wait_idle
+                self._lock.wait(wait_s)
+            return False
+
+    def _step(self) -> None:
+        with self._lock:
+            output = self.scheduler.schedule()
+            sampling = {c.seq: self._records[c.seq].sampling for c in output.chunks if c.is_sampled}
+            for seq in output.finished:
+                self._finish_early(seq)
+        started = time.perf_counter()
+        try:
+            sampled = self.runner.execute(output, sampling)
+        except Exception as exc:  # noqa: BLE001 - reported to the step's callers
+            log.exception("engine_step_failed", num_seqs=len(output.chunks))
+            with self._lock:
+                failed = self.scheduler.fail(output, everything=isinstance(exc, KVCacheError))
+            self._fail(failed, exc)
+            return
+        elapsed_s = time.perf_counter() - started
+        with self._lock:
+            grown = self.scheduler.update(output, sampled)
+            self._num_steps += 1
+            self._num_generated += len(grown)
+            for chunk in output.chunks:
+                if (record := self._records.get(chunk.seq)) is not None:
+                    record.compute_s += elapsed_s
+            for seq in grown:
+                record = self._records[seq]
+                record.post(record.event((seq.token_ids[-1],), seq.finish_reason))
+                if seq.is_finished:
+                    del self._records[seq]
+            self._lock.notify_all()
+
+    def _finish_early(self, seq: Seq) -> None:
+        """Report a sequence that ended outside a forward (lock held)."""
+        record = self._records.pop(seq, None)
+        if record is None:
+            return
+        if seq.finish_reason == "deadline":
+            record.post(DeadlineExceeded("deadline passed while queued for the model"))
+        else:
+            record.post(record.event((), "cancelled"))
+
+    def _fail(self, failed: list[Seq], exc: Exception) -> None:
+        with self._lock:
+            for seq in failed:
+                if (record := self._records.pop(seq, None)) is not None:
+                    record.post(RuntimeError(f"generation failed: {exc}"))
+            self._lock.notify_all()

@@ -1,0 +1,486 @@
+"""The continuous-batching scheduler: which sequences run this step and how many tokens each.
+
+Pure Python (no torch, no grpc), so it is unit-tested with synthetic requests. One progress
+model: a sequence's ``num_computed_tokens`` catches up with its token list (prompt, then the
+generated ids) under a per-step token budget, so prefill, chunked prefill, prefix-cache hits and
+resumption after preemption need no special phase. A step is schedule -> execute -> update.
+
+KV memory is a fixed number of slots (one sequence each, ``slot_len`` tokens long). The running
+batch always holds slots ``[0, n)``: when a sequence leaves, the one in the last slot moves into
+the hole (one copy per finish, emitted as a ``SlotMove``), so decode attention reads one view.
+Prompt prefixes are kept in a block store (``PrefixIndex``) and copied into a new sequence's
+slot at admission instead of being recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from aiserve.common.config import require
+from aiserve.common.errors import ResourceExhausted
+
+FinishReason = Literal["stop", "length", "cancelled", "error", "deadline"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How the scheduler batches: the running batch, the per-step budget and the queue."""
+
+    max_num_seqs: int = 64
+    """Sequences in the running batch at once (also the most KV slots used)."""
+    max_num_batched_tokens: int = 512
+    """Tokens computed per step: every decode first, then prefill chunks with what is left,
+    so a long prompt is prefilled in chunks and never stalls running decodes. >= max_num_seqs."""
+    max_queue_len: int = 256
+    """Requests that may wait at once; one more is RESOURCE_EXHAUSTED."""
+    batch_wait_ms: float = 5.0
+    """When nothing runs, a new arrival waits this long for company before the first step
+    (a full batch fires at once). Running batches take new requests at the next step."""
+    enable_preemption: bool = True
+    """When every slot is taken, a waiting request of higher priority evicts the
+    lowest-priority running sequence, which is recomputed when it is admitted again."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range and its limit."""
+        require(1 <= self.max_num_seqs <= 4096, f"max_num_seqs: must be 1..4096, got {self.max_num_seqs}")
+        require(self.max_num_seqs <= self.max_num_batched_tokens <= 1 << 20,
+                f"max_num_batched_tokens: must be max_num_seqs ({self.max_num_seqs})..{1 << 20}, "
+                f"got {self.max_num_batched_tokens}")
+        require(1 <= self.max_queue_len <= 100_000,
+                f"max_queue_len: must be 1..100000, got {self.max_queue_len}")
+        require(0.0 <= self.batch_wait_ms <= 10_000,
+                f"batch_wait_ms: must be 0..10000 ms, got {self.batch_wait_ms}")
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False, slots=True)
+class Seq:
+    """One request inside the scheduler: its token list and how far its K/V is computed."""
+
+    token_ids: list[int]
+    """Prompt, then the generated ids (appended by ``update``)."""
+    num_prompt_tokens: int
+    max_new_tokens: int
+    priority: int = 0
+    deadline: float | None = None
+    """A clock instant; passed while waiting -> finished with "deadline", never run."""
+    stop_token_ids: frozenset[int] = frozenset()
+    arrival: float = 0.0
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0
+    slot: int | None = None
+    finish_reason: FinishReason | None = None
+    first_scheduled: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens taken from the prefix store at the last admission."""
+    arrival_no: int = field(default=-1, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """Copy K/V between ``slot`` and the prefix store: (block index in the sequence, store block)."""
+
+    slot: int
+    blocks: tuple[tuple[int, int], ...]
+
+
+@dataclass(slots=True)
+class _Block:
+    block_id: int
+    parent: int | None  # key of the block before it (chain hash), None for the first
+    token_ids: tuple[int, ...]
+    is_pending: bool  # K/V is written by the step in flight; not matchable until commit()
+
+
+class PrefixIndex:
+    """Which block-aligned prompt prefixes have K/V in the prefix store (LRU, bounded).
+
+    A block's key hashes its tokens and the key of the block before it, so a key names the whole
+    prefix up to it. Tokens are compared on a hit, so a hash collision is a miss, never wrong K/V.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._blocks: OrderedDict[int, _Block] = OrderedDict()  # least recently used first
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._pending: list[int] = []
+        self.num_lookups = 0
+        self.num_hits = 0
+        """Lookups that found at least one block."""
+        self.num_hit_tokens = 0
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, ...]:
+        """Store blocks holding the longest stored prefix of ``token_ids`` (<= max_tokens)."""
+        hits: list[int] = []
+        for key, parent, tokens in self._chain(token_ids, max_tokens // self.block_size):
+            block = self._blocks.get(key)
+            if block is None or block.is_pending or (block.parent, block.token_ids) != (parent, tokens):
+                break
+            self._blocks.move_to_end(key)
+            hits.append(block.block_id)
+        self.num_lookups += 1
+        self.num_hits += bool(hits)
+        self.num_hit_tokens += len(hits) * self.block_size
+        return tuple(hits)
+
+    def insert(self, token_ids: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Reserve store blocks for the full blocks of ``token_ids`` not stored yet; returns
+        (block index in the sequence, store block) pairs to save after this step's forward."""
+        new: list[tuple[int, int]] = []
+        for i, (key, parent, tokens) in enumerate(self._chain(token_ids, len(token_ids) // self.block_size)):
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                continue
+            block_id = self._allocate()
+            if block_id is None:
+                break
+            self._blocks[key] = _Block(block_id, parent, tokens, is_pending=True)
+            self._pending.append(key)
+            new.append((i, block_id))
+        return tuple(new)
+
+    def commit(self) -> None:
+        """The step's forward wrote the pending blocks: they may be matched now."""
+        for key in self._pending:
+            if (block := self._blocks.get(key)) is not None:
+                block.is_pending = False
+        self._pending.clear()
+
+    def rollback(self) -> None:
+        """The step failed: forget the blocks it was to write."""
+        for key in self._pending:
+            if (block := self._blocks.pop(key, None)) is not None:
+                self._free.append(block.block_id)
+        self._pending.clear()
+
+    def clear(self) -> None:
+        self._blocks.clear()
+        self._pending.clear()
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    def _chain(self, token_ids: Sequence[int], num_blocks: int) -> Iterator[tuple[int, int | None, tuple[int, ...]]]:
+        parent: int | None = None
+        size = self.block_size
+        for i in range(num_blocks):
+            tokens = tuple(token_ids[i * size : (i + 1) * size])
+            key = hash((parent, tokens))
+            yield key, parent, tokens
+            parent = key
+
+    def _allocate(self) -> int | None:
+        if self._free:
+            return self._free.pop()
+        victim = next((k for k, b in self._blocks.items() if not b.is_pending), None)
+        return None if victim is None else self._blocks.pop(victim).block_id
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """Work of one sequence in a step: tokens ``token_ids`` at positions ``start``.. in ``slot``."""
+
+    seq: Seq
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    is_sampled: bool
+    """The chunk reaches the end of the token list, so a new token is sampled after it."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotMove:
+    """Copy the first ``num_tokens`` positions of slot ``src`` into slot ``dst``."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOutput:
+    """One step. The runner applies, in order: moves, prefix loads, the forward, prefix saves."""
+
+    chunks: tuple[ScheduledChunk, ...] = ()
+    moves: tuple[SlotMove, ...] = ()
+    prefix_loads: tuple[BlockCopy, ...] = ()
+    prefix_saves: tuple[BlockCopy, ...] = ()
+    finished: tuple[Seq, ...] = ()
+    """Sequences that ended outside a forward (deadline passed while waiting, aborted)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+class Scheduler:
+    """Owns the waiting queue, the running batch, its KV slots and the prefix index.
+
+    Single-threaded: the engine calls it under its lock, never while a step executes
+    (``abort`` between steps; ``add`` at any time).
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_slots: int,
+        slot_len: int,
+        prefix: PrefixIndex | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.slot_len = slot_len
+        self.capacity = min(num_slots, config.max_num_seqs)
+        self.prefix = prefix
+        self._clock = clock
+        self._waiting: list[tuple[int, int, Seq]] = []  # heap of (-priority, arrival no., seq)
+        self._num_waiting = 0  # live entries; aborted/expired ones are dropped lazily
+        self._arrivals = itertools.count()
+        self._slots: list[Seq] = []  # the running batch; index == slot
+        self._moves: list[SlotMove] = []
+        self._finished: list[Seq] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._slots)
+
+    @property
+    def running(self) -> Sequence[Seq]:
+        return self._slots
+
+    def has_work(self) -> bool:
+        return bool(self._slots or self._num_waiting or self._finished or self._moves)
+
+    def add(self, seq: Seq) -> None:
+        """Queue ``seq``. ResourceExhausted when the queue is full; ValueError if it cannot fit
+        one slot (the engine validates that first, with the limit named)."""
+        if self._num_waiting >= self.config.max_queue_len:
+            raise ResourceExhausted(
+                f"inference queue is full (max_queue_len {self.config.max_queue_len})")
+        if seq.num_prompt_tokens + seq.max_new_tokens > self.slot_len or not seq.token_ids:
+            raise ValueError(f"sequence needs {seq.num_prompt_tokens}+{seq.max_new_tokens} "
+                             f"tokens; a slot holds {self.slot_len}")
+        seq.arrival = self._clock()
+        seq.arrival_no = next(self._arrivals)
+        self._push(seq)
+
+    def abort(self, seq: Seq) -> bool:
+        """Finish ``seq`` as "cancelled" and free its slot now; False if it had finished."""
+        if seq.is_finished:
+            return False
+        self._remove(seq)
+        self._finish(seq, "cancelled", report=True)
+        return True
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work: expire, admit (maybe preempt), then spend the token budget."""
+        now = self._clock()
+        self._expire(now)
+        if self._is_gathering(now):
+            return self._output((), (), ())
+        loads = self._admit()
+        chunks, saves = self._assign_budget(now)
+        return self._output(chunks, loads, saves)
+
+    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int]) -> list[Seq]:
+        """Account a finished step; ``sampled_ids`` holds one id per sampled chunk, in order.
+
+        Returns the sequences that got a new token; those that finished have left the batch.
+        """
+        for chunk in output.chunks:  # first all progress, so slot moves copy every new K/V
+            if chunk.seq.status is SeqStatus.RUNNING:
+                chunk.seq.num_computed_tokens += len(chunk.token_ids)
+        ids = iter(sampled_ids)
+        grown: list[Seq] = []
+        for chunk in (c for c in output.chunks if c.is_sampled):
+            seq, token = chunk.seq, next(ids)
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.token_ids.append(token)
+            grown.append(seq)
+            if token in seq.stop_token_ids:
+                self._remove(seq)
+                self._finish(seq, "stop", report=False)
+            elif seq.num_output_tokens >= seq.max_new_tokens:
+                self._remove(seq)
+                self._finish(seq, "length", report=False)
+        if self.prefix is not None:
+            self.prefix.commit()
+        return grown
+
+    def fail(self, output: SchedulerOutput, everything: bool = False) -> list[Seq]:
+        """A step raised: finish its sequences (or, with ``everything``, every running one, as
+        when the cache itself may be inconsistent) with "error" and free their slots."""
+        if self.prefix is not None:
+            self.prefix.clear() if everything else self.prefix.rollback()
+        victims = list(self._slots) if everything else [c.seq for c in output.chunks]
+        failed = []
+        for seq in victims:
+            if seq.status is SeqStatus.RUNNING:
+                self._remove(seq)
+                self._finish(seq, "error", report=False)
+                failed.append(seq)
+        return failed
+
+    def wait_s(self) -> float | None:
+        """How long the engine may sleep before ``schedule`` has work; None = until an event."""
+        if self._slots or self._finished or self._moves:
+            return 0.0
+        live = [seq for _, _, seq in self._waiting if seq.status is SeqStatus.WAITING]
+        if not live:
+            return None
+        now = self._clock()
+        until = [self._gather_end(live)] + [s.deadline for s in live if s.deadline is not None]
+        return max(0.0, min(until) - now)
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _output(self, chunks: Sequence[ScheduledChunk], loads: Sequence[BlockCopy],
+                saves: Sequence[BlockCopy]) -> SchedulerOutput:
+        output = SchedulerOutput(tuple(chunks), tuple(self._moves), tuple(loads), tuple(saves),
+                                 tuple(self._finished))
+        self._moves.clear()
+        self._finished.clear()
+        return output
+
+    def _push(self, seq: Seq) -> None:
+        seq.status = SeqStatus.WAITING
+        heapq.heappush(self._waiting, (-seq.priority, seq.arrival_no, seq))
+        self._num_waiting += 1
+
+    def _peek(self) -> Seq | None:
+        while self._waiting and self._waiting[0][2].status is not SeqStatus.WAITING:
+            heapq.heappop(self._waiting)  # aborted or expired while waiting
+        return self._waiting[0][2] if self._waiting else None
+
+    def _gather_end(self, live: Sequence[Seq]) -> float:
+        if len(live) >= self.capacity:
+            return -float("inf")
+        return min(s.arrival for s in live) + self.config.batch_wait_ms / 1000
+
+    def _is_gathering(self, now: float) -> bool:
+        """Idle and the batching window is still open: wait for more arrivals."""
+        if self._slots or not self._num_waiting or self.config.batch_wait_ms <= 0:
+            return False
+        live = [seq for _, _, seq in self._waiting if seq.status is SeqStatus.WAITING]
+        return self._gather_end(live) > now
+
+    def _expire(self, now: float) -> None:
+        for _, _, seq in self._waiting:
+            if seq.status is SeqStatus.WAITING and seq.deadline is not None and seq.deadline <= now:
+                self._num_waiting -= 1
+                self._finish(seq, "deadline", report=True)
+
+    def _admit(self) -> list[BlockCopy]:
+        """Move waiting sequences into free slots in priority order; return prefix loads."""
+        admitted: list[tuple[Seq, tuple[int, ...]]] = []
+        while (seq := self._peek()) is not None:
+            if len(self._slots) >= self.capacity and not self._preempt_for(seq):
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status, seq.slot = SeqStatus.RUNNING, len(self._slots)
+            self._slots.append(seq)
+            hits: tuple[int, ...] = ()
+            if self.prefix is not None:  # keep >= 1 token to compute: it yields the logits
+                hits = self.prefix.match(seq.token_ids, seq.num_tokens - 1)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * self._block_size
+            admitted.append((seq, hits))
+        # Slots are final only now: a later preemption in this loop may have moved a sequence.
+        return [BlockCopy(s.slot, tuple(enumerate(h))) for s, h in admitted
+                if h and s.slot is not None]
+
+    def _preempt_for(self, seq: Seq) -> bool:
+        """Evict the lowest-priority (then newest) running sequence if ``seq`` outranks it."""
+        if not self.config.enable_preemption or not self._slots:
+            return False
+        victim = min(self._slots, key=lambda s: (s.priority, -s.arrival_no))
+        if victim.priority >= seq.priority:
+            return False
+        self._remove(victim)
+        victim.num_computed_tokens = 0  # recompute on return (no swap space on CPU)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push(victim)
+        return True
+
+    def _assign_budget(self, now: float) -> tuple[list[ScheduledChunk], list[BlockCopy]]:
+        """Decodes first (they never stall), then prefill chunks by priority and arrival."""
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        saves: list[BlockCopy] = []
+        order = sorted(self._slots, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1,
+                                                   -s.priority, s.arrival_no))
+        for seq in order:
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            if n <= 0 or seq.slot is None:
+                break
+            budget -= n
+            end = start + n
+            chunks.append(ScheduledChunk(seq, seq.slot, start, tuple(seq.token_ids[start:end]),
+                                         end == seq.num_tokens))
+            if seq.first_scheduled is None:
+                seq.first_scheduled = now
+            if self.prefix is not None and start < seq.num_prompt_tokens <= end:
+                pairs = self.prefix.insert(seq.token_ids[: seq.num_prompt_tokens])
+                if pairs:  # the prompt's K/V is complete after this step: keep its blocks
+                    saves.append(BlockCopy(seq.slot, pairs))
+        return chunks, saves
+
+    @property
+    def _block_size(self) -> int:
+        return self.prefix.block_size if self.prefix is not None else 1
+
+    def _remove(self, seq: Seq) -> None:
+        """Take ``seq`` out of the queue or the batch; the last slot's sequence fills its hole."""
+        if seq.status is SeqStatus.WAITING:
+            self._num_waiting -= 1  # its heap entry is skipped later
+        elif seq.status is SeqStatus.RUNNING and seq.slot is not None:
+            hole, last = seq.slot, self._slots.pop()
+            if last is not seq:
+                self._slots[hole] = last
+                self._moves.append(SlotMove(len(self._slots), hole, last.num_computed_tokens))
+                last.slot = hole
+            seq.slot = None
+            if not self._slots:
+                self._moves.clear()  # nothing left whose K/V must be kept
+
+    def _finish(self, seq: Seq, reason: FinishReason, report: bool) -> None:
+        seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+        if report:
+            self._finished.append(seq)

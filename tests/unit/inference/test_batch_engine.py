@@ -1,0 +1,186 @@
+"""The continuous-batching engine on the real model (float32, small KV cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from aiserve.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
+from services.inference.batch_engine import BatchEngine
+from services.inference.engine import GenerateRequest, TokenEvent
+from services.inference.kv_cache import KVCacheConfig
+from services.inference.llama import LlamaModel
+from services.inference.sampler import SamplingParams
+from services.inference.scheduler import SchedulerConfig
+
+MAX_NEW = 10
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> LlamaModel:
+    return LlamaModel.load(model_dir, "cpu", torch.float32)
+
+
+@pytest.fixture
+async def engine(model: LlamaModel) -> AsyncIterator[BatchEngine]:
+    engine = make_engine(model)
+    engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.stop()
+
+
+def make_engine(model: LlamaModel, **settings: object) -> BatchEngine:
+    config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 128, **settings})  # type: ignore[arg-type]
+    kv = KVCacheConfig(kv_cache_bytes=96 << 20, max_seq_len=128, prefix_block_size=8)
+    return BatchEngine(model, frozenset({2}), config, kv, max_new_tokens_limit=64)
+
+
+def prompts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randint(3, 49152, (4 + 5 * i,), generator=g).tolist()) for i in range(count)]
+
+
+def request(prompt: Sequence[int], name: str = "r", max_new: int = MAX_NEW, **fields: object) -> GenerateRequest:
+    return GenerateRequest(request_id=name, prompt_token_ids=tuple(prompt), max_new_tokens=max_new,
+                           ignore_eos=True, **fields)  # type: ignore[arg-type]
+
+
+async def collect(engine: BatchEngine, req: GenerateRequest) -> tuple[list[int], TokenEvent]:
+    ids: list[int] = []
+    async for event in engine.generate(req):
+        ids.extend(event.token_ids)
+    return ids, event
+
+
+async def test_concurrent_greedy_requests_match_each_alone(engine: BatchEngine) -> None:
+    reqs = [request(p, f"r{i}") for i, p in enumerate(prompts(8))]
+    together = await asyncio.gather(*(collect(engine, r) for r in reqs))
+    assert engine.stats().num_steps < 8 * MAX_NEW  # they really shared steps
+    for req, (ids, last) in zip(reqs, together, strict=True):
+        alone, _ = await collect(engine, req)
+        assert ids == alone and len(ids) == MAX_NEW
+        assert last.finish_reason == "length" and last.completion_tokens == MAX_NEW
+        assert last.prompt_tokens == len(req.prompt_token_ids)
+
+
+async def test_same_seed_gives_the_same_text_whatever_the_batch(engine: BatchEngine) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    target = request(prompts(1, seed=3)[0], "seeded", params=params)
+    alone, _ = await collect(engine, target)
+    others = [request(p, f"o{i}", params=SamplingParams(temperature=1.0, seed=i) if i % 2 else
+                      SamplingParams()) for i, p in enumerate(prompts(5, seed=4))]
+    results = await asyncio.gather(collect(engine, target), *(collect(engine, r) for r in others))
+    assert results[0][0] == alone
+    other_seed = request(target.prompt_token_ids, "other", params=SamplingParams(temperature=0.9, seed=99))
+    assert (await collect(engine, other_seed))[0] != alone
+
+
+async def test_shared_prefix_is_reused_and_gives_the_same_tokens(engine: BatchEngine) -> None:
+    system = prompts(4, seed=5)[3]  # 19 tokens: two full blocks of 8
+    first, _ = await collect(engine, request(system + (11, 12), "a"))
+    assert engine.stats().prefix_hits == 0
+    second, _ = await collect(engine, request(system + (11, 12), "b"))
+    stats = engine.stats()
+    assert stats.prefix_hits == 1 and stats.prefix_hit_tokens == 16
+    assert second == first
+
+
+async def test_cancellation_frees_kv_within_a_step(engine: BatchEngine) -> None:
+    a = engine.generate(request(prompts(1)[0], "a", max_new=60))
+    b = engine.generate(request(prompts(2)[1], "b", max_new=60))
+    await a.__anext__()
+    await b.__anext__()
+    before = engine.stats()
+    assert before.num_running == 2
+    await a.aclose()  # the caller goes away
+    await b.__anext__()  # a step that may have started before the abort
+    await b.__anext__()  # a step after it
+    after = engine.stats()
+    assert after.num_running == 1
+    assert before.kv_used_bytes - after.kv_used_bytes == engine.cache.slot_bytes
+    await b.aclose()
+
+
+async def test_an_exception_in_a_step_releases_kv(engine: BatchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: object) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.runner.model, "forward", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        await collect(engine, request(prompts(1)[0]))
+    stats = engine.stats()
+    assert (stats.num_running, stats.kv_used_bytes) == (0, 0)
+    monkeypatch.undo()
+    ids, last = await collect(engine, request(prompts(1)[0]))  # the engine keeps serving
+    assert len(ids) == MAX_NEW and last.finish_reason == "length"
+
+
+async def test_a_cache_copy_failure_fails_every_running_sequence(
+    engine: BatchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(copies: object) -> None:
+        if copies:
+            raise RuntimeError("copy failed")
+
+    monkeypatch.setattr(engine.cache, "save_prefix", broken)
+    results = await asyncio.gather(*(collect(engine, request(p)) for p in prompts(3)),
+                                   return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results)
+    assert engine.stats().kv_used_bytes == 0 and engine.stats().num_running == 0
+
+
+async def test_preempted_request_resumes_with_the_same_tokens(model: LlamaModel) -> None:
+    engine = make_engine(model, max_num_seqs=1)
+    engine.start()
+    try:
+        low_req = request(prompts(2)[1], "low", max_new=8)
+        alone, _ = await collect(engine, low_req)
+        low = engine.generate(low_req)
+        ids = list((await low.__anext__()).token_ids)
+        high, _ = await collect(engine, request(prompts(1)[0], "high", max_new=3, priority=5))
+        assert len(high) == 3 and engine.stats().num_preemptions == 1
+        async for event in low:
+            ids.extend(event.token_ids)
+        assert ids == alone
+    finally:
+        await engine.stop()
+
+
+async def test_deadline_passing_in_the_queue_raises_deadline_exceeded(model: LlamaModel) -> None:
+    engine = make_engine(model, max_num_seqs=1, enable_preemption=False)
+    engine.start()
+    try:
+        busy = engine.generate(request(prompts(1)[0], max_new=40))
+        await busy.__anext__()  # it holds the only slot now
+        late = request(prompts(2)[1], "late", deadline=time.monotonic() + 0.3)
+        with pytest.raises(DeadlineExceeded):
+            await collect(engine, late)
+        assert engine.stats().num_waiting == 0
+        await busy.aclose()
+    finally:
+        await engine.stop()
+
+
+async def test_full_queue_raises_and_stop_fails_the_queued(model: LlamaModel) -> None:
+    engine = make_engine(model, max_queue_len=1)  # not started: requests stay queued
+    first = engine.generate(request(prompts(1)[0]))
+    pending = asyncio.ensure_future(first.__anext__())
+    await asyncio.sleep(0)  # let it queue
+    with pytest.raises(ResourceExhausted, match="max_queue_len"):
+        await engine.generate(request(prompts(1)[0])).__anext__()
+    await engine.stop()
+    with pytest.raises(Unavailable):
+        await pending
+
+
+async def test_drain_refuses_new_requests(engine: BatchEngine) -> None:
+    assert await engine.drain(timeout_s=30)
+    with pytest.raises(Unavailable):
+        await collect(engine, request(prompts(1)[0]))

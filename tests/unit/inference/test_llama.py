@@ -1,0 +1,154 @@
+"""Our Llama-family forward against transformers' on the same inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from services.inference.llama import LlamaModel, default_matmul_dtype
+from services.inference.runner import BatchRow, build_batch
+
+CPU = torch.device("cpu")
+PROMPT_LENS = (5, 17, 1, 30)
+NUM_DECODES = 3
+
+
+def hf_logits(model: PreTrainedModel, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """transformers' logits [T, V] of each sequence run alone (no padding)."""
+    with torch.inference_mode():
+        return [model(torch.tensor([s])).logits[0].float() for s in sequences]
+
+
+def our_logits(model: LlamaModel, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
+               slot_len: int = 64) -> list[list[torch.Tensor]]:
+    """Per sequence, the logits of its last prompt position and of each decode step.
+
+    Step 1 prefills every prompt at once (the second in two chunks); then decode steps feed
+    the continuation tokens, once in reverse row order and once with a sequence left out
+    (rows that are not a contiguous slot range).
+    """
+    c = model.config
+    shape = (c.num_layers, len(prompts), c.num_kv_heads, slot_len, c.head_dim)
+    k, v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+
+    def run(rows: list[BatchRow]) -> None:
+        with torch.inference_mode():
+            logits = model.forward(build_batch(rows, c, slot_len, CPU), k, v).float()
+        for row, row_logits in zip([r for r in rows if r.needs_logits], logits, strict=True):
+            out[row.slot].append(row_logits)
+
+    split = len(prompts[1]) // 2
+    rows = [BatchRow(i, 0, p, True) for i, p in enumerate(prompts)]
+    rows[1] = BatchRow(1, 0, prompts[1][:split], False)
+    run(rows)
+    run([BatchRow(1, split, prompts[1][split:], True)])
+    for step in range(NUM_DECODES):
+        rows = [BatchRow(i, len(p) + step, [continuations[i][step]], True) for i, p in enumerate(prompts)]
+        if step == 1:
+            rows.reverse()
+        run(rows)
+    return out
+
+
+def compare(ours: list[list[torch.Tensor]], ref: list[torch.Tensor],
+            prompts: Sequence[list[int]]) -> float:
+    """Largest |ours - ref| over every compared position."""
+    worst = 0.0
+    for i, prompt in enumerate(prompts):
+        expected = ref[i][len(prompt) - 1 : len(prompt) - 1 + len(ours[i])]
+        worst = max(worst, (torch.stack(ours[i]) - expected).abs().max().item())
+    return worst
+
+
+def inputs(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    continuations = [torch.randint(0, vocab, (NUM_DECODES,), generator=g).tolist() for _ in prompts]
+    return prompts, continuations
+
+
+@pytest.fixture(scope="module")
+def hf_fp32(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def test_float32_logits_match_transformers(model_dir: Path, hf_fp32: PreTrainedModel) -> None:
+    ours = LlamaModel.load(model_dir, CPU, torch.float32)
+    prompts, conts = inputs(ours.config.vocab_size)
+    ref = hf_logits(hf_fp32, [p + c for p, c in zip(prompts, conts, strict=True)])
+    assert compare(our_logits(ours, prompts, conts), ref, prompts) < 2e-3
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+
+@pytest.mark.parametrize("matmul", ["auto", "bfloat16"])
+def test_bfloat16_logits_match_transformers(model_dir: Path, hf_fp32: PreTrainedModel,
+                                            hf_bf16: PreTrainedModel, matmul: str) -> None:
+    matmul_dtype = None if matmul == "auto" else torch.bfloat16
+    ours = LlamaModel.load(model_dir, CPU, torch.bfloat16, matmul_dtype)
+    prompts, conts = inputs(ours.config.vocab_size, seed=1)
+    sequences = [p + c for p, c in zip(prompts, conts, strict=True)]
+    exact, ref = hf_logits(hf_fp32, sequences), hf_logits(hf_bf16, sequences)
+    got = our_logits(ours, prompts, conts)
+    # bf16 rounds logits of ~30 to steps of 0.25; our error vs float32 is about HF's own
+    hf_at_ours = [list(ref[i][len(p) - 1 : len(p) - 1 + len(got[i])]) for i, p in enumerate(prompts)]
+    assert compare(got, ref, prompts) < 2.0
+    assert compare(got, exact, prompts) < 1.25 * compare(hf_at_ours, exact, prompts) + 0.5
+
+
+def test_matmul_dtype_defaults() -> None:
+    assert default_matmul_dtype(CPU, torch.float32) == torch.float32
+    assert default_matmul_dtype(torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    assert default_matmul_dtype(CPU, torch.bfloat16) in (torch.bfloat16, torch.float32)
+
+
+def tiny(kind: str, tmp_path: Path) -> Path:
+    """A random 2-layer model of ``kind`` saved like a store folder."""
+    import transformers
+
+    common: dict[str, Any] = dict(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=128)
+    model: PreTrainedModel
+    if kind == "llama3":
+        config = transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+        model = transformers.LlamaForCausalLM(config)
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common, tie_word_embeddings=True))
+    else:
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common, sliding_window=None))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)  # biases too: random init leaves them at zero
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+def test_family_members_match_transformers(kind: str, tmp_path: Path) -> None:
+    folder = tiny(kind, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = LlamaModel.load(folder, CPU, torch.float32)
+    assert (ours.layers[0].qkv.b is not None) == (kind == "qwen2")
+    assert (ours.lm_head.w is ours.embed) == (kind == "qwen2")
+    prompts, conts = inputs(97, seed=2)
+    ref = hf_logits(hf, [p + c for p, c in zip(prompts, conts, strict=True)])
+    assert compare(our_logits(ours, prompts, conts), ref, prompts) < 1e-4
+
+
+def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="model_type"):
+        LlamaModel.load(tmp_path, CPU, torch.float32)
