@@ -31,7 +31,7 @@ run: model
 	$(VENV)/bin/aiserve run
 
 lint: protos
-	$(VENV)/bin/ruff check aiserve services tests scripts
+	$(VENV)/bin/ruff check aiserve services tests scripts bench
 	$(VENV)/bin/mypy aiserve services
 
 test: model lint

@@ -1,42 +1,59 @@
-"""The cache service: a thin gRPC servicer over the exact-match tier.
+"""The cache service: a thin gRPC servicer over SemanticCache (docs/cache.md).
 
-The cache never calls other services. Each RPC converts pb -> domain, calls ``ExactCache`` in
-a worker thread (SQLite blocks) and converts back; the conversions live in this file only.
+The cache never calls other services. Each RPC converts pb -> domain, embeds the query in a
+worker thread (the model blocks), calls SemanticCache in a worker thread (SQLite and faiss
+block) and converts back; the conversions live in this file only. The embedding model is
+loaded and run once before the server is handed back, so the service reports SERVING warm.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
 
+import faiss
 from grpc import aio
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from aiserve.common.config import load_config
+from aiserve.common.errors import InvalidArgument
 from aiserve.common.logging import configure_logging, get_logger
 from aiserve.common.server import ServiceHandle, new_server, serve, start_metrics
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.config import CacheConfig
-from services.cache.exact import EXACT_SIMILARITY, CacheEntry, CacheScope, ExactCache
+from services.cache.embedder import Embedder, Vector
+from services.cache.exact import STORABLE_FINISH_REASONS, CacheScope, ExactCache
+from services.cache.semantic import Hit, MatchRule, SemanticCache
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 _FINISH_PREFIX = "FINISH_REASON_"
+_TIERS = {"exact": cache_pb2.MATCH_TIER_EXACT, "semantic": cache_pb2.MATCH_TIER_SEMANTIC}
+_SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99, 1.0)
 
 log = get_logger("cache")
 
-LOOKUPS = Counter("aiserve_cache_lookups_total", "Cache lookups", ["result"])
-HITS, MISSES = LOOKUPS.labels("hit"), LOOKUPS.labels("miss")
-STORES = Counter("aiserve_cache_stores_total", "Answers stored in the cache")
-EVICTIONS = Counter("aiserve_cache_evictions_total", "Entries removed without replacement",
-                    ["reason"])
-ENTRIES = Gauge("aiserve_cache_entries", "Entries in the exact-match tier")
+LOOKUPS = Counter("aiserve_cache_lookups_total", "Cache lookups", ["result", "tier"])
+LOOKUP_SECONDS = Histogram("aiserve_cache_lookup_seconds", "Lookup latency (embedding included)", ["result"],
+                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
+HIT_SIMILARITY = Histogram("aiserve_cache_hit_similarity", "Similarity of cache hits", ["tier"],
+                           buckets=_SIMILARITY_BUCKETS)
+STORES = Counter("aiserve_cache_stores_total", "Store streams by outcome", ["outcome"])
+EVICTIONS = Counter("aiserve_cache_evictions_total", "Entries removed without replacement", ["reason"])
+ENTRIES = Gauge("aiserve_cache_entries", "Entries in the cache")
+VECTORS = Gauge("aiserve_cache_vectors", "Vectors in the semantic index")
+FEEDBACK = Counter("aiserve_cache_feedback_total", "Feedback on answers served from the cache", ["negative"])
+NEGATIVE_FEEDBACK = Counter("aiserve_cache_negative_feedback_total", "Cache hits later given negative feedback")
+FEEDBACK_SIMILARITY = Histogram("aiserve_cache_feedback_similarity", "Similarity of hits that got feedback",
+                                ["negative"], buckets=_SIMILARITY_BUCKETS)
 
 
 # --- pb <-> domain, in one place -----------------------------------------------------------
 
 def scope_from_pb(scope: cache_pb2.CacheScope) -> CacheScope:
-    return CacheScope(model=scope.model, tenant=scope.tenant, params=scope.params)
+    return CacheScope(model=scope.model, tenant=scope.tenant, params=scope.params, context=scope.context)
 
 
 def finish_reason_from_pb(value: int) -> str:
@@ -51,68 +68,210 @@ def finish_reason_to_pb(reason: str) -> common_pb2.FinishReason:
     return common_pb2.FinishReason.Value(_FINISH_PREFIX + reason.upper())
 
 
-def entry_to_pb(entry: CacheEntry) -> cache_pb2.LookupResponse:
-    return cache_pb2.LookupResponse(
-        hit=True, text=entry.text, token_ids=entry.token_ids,
-        finish_reason=finish_reason_to_pb(entry.finish_reason),
-        similarity=EXACT_SIMILARITY, entry_id=entry.entry_id,
-    )
+def hit_to_pb(hit: Hit) -> cache_pb2.LookupResponse:
+    entry, reply = hit.entry, cache_pb2.LookupResponse(hit=True)
+    reply.text, reply.entry_id, reply.similarity = entry.text, entry.entry_id, hit.similarity
+    reply.token_ids.extend(entry.token_ids)
+    reply.finish_reason, reply.tier = finish_reason_to_pb(entry.finish_reason), _TIERS[hit.tier]
+    chars = tokens = 0
+    for num_chars, num_tokens in entry.deltas:
+        reply.deltas.add(text=entry.text[chars:chars + num_chars],
+                         token_ids=entry.token_ids[tokens:tokens + num_tokens])
+        chars, tokens = chars + num_chars, tokens + num_tokens
+    return reply
+
+
+class _StoreStream:
+    """What a Store stream has sent so far; checks order and size as messages arrive."""
+
+    def __init__(self, header: cache_pb2.StoreHeader, max_entry_bytes: int) -> None:
+        self.scope, self.prompt, self.query = scope_from_pb(header.scope), header.prompt, header.query
+        self.ttl_s, self.max_entry_bytes = header.ttl_s, max_entry_bytes
+        if not self.scope.model or not self.prompt:
+            raise InvalidArgument("header: scope.model and prompt are required")
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.deltas: list[tuple[int, int]] = []
+        self.num_bytes = ExactCache.entry_bytes(self.prompt, self.query, "", 0, 0)
+        self.finish: str | None = None
+
+    def add(self, message: cache_pb2.StoreRequest) -> None:
+        part = message.WhichOneof("part")
+        if self.finish is not None:
+            raise InvalidArgument("finish: must be the last message of a Store stream")
+        if part == "delta":
+            text, ids = message.delta.text, message.delta.token_ids
+            self.texts.append(text)
+            self.token_ids.extend(ids)
+            self.deltas.append((len(text), len(ids)))
+            self.num_bytes += len(text.encode("utf-8")) + 4 * len(ids) + 8
+            if self.num_bytes > self.max_entry_bytes:
+                raise InvalidArgument(f"entry: over max_entry_bytes {self.max_entry_bytes}; nothing stored")
+        elif part == "finish":
+            self.finish = finish_reason_from_pb(message.finish.finish_reason)
+            if self.finish not in STORABLE_FINISH_REASONS:
+                raise InvalidArgument(f"finish_reason: only {'/'.join(STORABLE_FINISH_REASONS)} answers are"
+                                      f" stored, got {self.finish!r}")
+        else:
+            raise InvalidArgument(f"{part or 'part'}: only the first message of a Store stream is a header")
 
 
 # --- the servicer ---------------------------------------------------------------------------
 
 class CacheServicer(cache_pb2_grpc.CacheServicer):
-    """Lookup and Store over one ExactCache."""
+    """Lookup, Store, Invalidate, ReportFeedback and Info over one SemanticCache."""
 
-    def __init__(self, cache: ExactCache) -> None:
-        self._cache = cache
+    def __init__(self, cache: SemanticCache, embedder: Embedder, config: CacheConfig) -> None:
+        self._cache, self._embedder, self._config = cache, embedder, config
+        self._vectors: OrderedDict[str, Vector | None] = OrderedDict()  # recent query -> vector
 
-    async def Lookup(
+    async def _vector(self, query: str) -> Vector | None:
+        if not query:
+            return None
+        if query in self._vectors:
+            self._vectors.move_to_end(query)
+            return self._vectors[query]
+        vector = await asyncio.to_thread(self._embedder.encode_one, query)
+        if self._config.query_cache_size:
+            self._vectors[query] = vector
+            while len(self._vectors) > self._config.query_cache_size:
+                self._vectors.popitem(last=False)
+        return vector
+
+    async def Lookup(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.LookupRequest, context: aio.ServicerContext
     ) -> cache_pb2.LookupResponse:
-        """The stored answer for this scope and prompt; a miss is ``hit=false``, not an error."""
-        entry = await asyncio.to_thread(
-            self._cache.lookup, scope_from_pb(request.scope), request.prompt)
-        if entry is None:
-            MISSES.inc()
+        """The stored answer for this scope and prompt or query; a miss is ``hit=false``."""
+        started = time.perf_counter()
+        scope = scope_from_pb(request.scope)
+        min_similarity = request.min_similarity if request.HasField("min_similarity") else None
+        # The exact tier first: an exact hit needs no embedding.
+        hit = await asyncio.to_thread(self._cache.lookup, scope, request.prompt, "", None, min_similarity)
+        if hit is None and request.query and (vector := await self._vector(request.query)) is not None:
+            hit = await asyncio.to_thread(self._cache.lookup, scope, request.prompt, request.query, vector,
+                                          min_similarity)
+        result = "miss" if hit is None else "hit"
+        LOOKUP_SECONDS.labels(result).observe(time.perf_counter() - started)
+        LOOKUPS.labels(result, "none" if hit is None else hit.tier).inc()
+        if hit is None:
             return cache_pb2.LookupResponse(hit=False)
-        HITS.inc()
-        return entry_to_pb(entry)
+        HIT_SIMILARITY.labels(hit.tier).observe(hit.similarity)
+        return hit_to_pb(hit)
 
-    async def Store(
-        self, request: cache_pb2.StoreRequest, context: aio.ServicerContext
+    async def Store(  # noqa: N802
+        self, request_iterator: AsyncIterator[cache_pb2.StoreRequest], context: aio.ServicerContext
     ) -> cache_pb2.StoreResponse:
-        """Store a normally finished answer; returns the new entry's id."""
-        entry_id = await asyncio.to_thread(
-            self._cache.store, scope_from_pb(request.scope), request.prompt, request.text,
-            tuple(request.token_ids), finish_reason_from_pb(request.finish_reason))
-        STORES.inc()
-        return cache_pb2.StoreResponse(entry_id=entry_id)
+        """Collect a streamed answer; commit it only after a storable finish and the end of the stream."""
+        stream: _StoreStream | None = None
+        embedding: asyncio.Task[Vector | None] | None = None
+        outcome = "abandoned"
+        try:
+            async for message in request_iterator:
+                if stream is None:
+                    if message.WhichOneof("part") != "header":
+                        raise InvalidArgument("header: the first message of a Store stream must be a header")
+                    stream = _StoreStream(message.header, self._config.max_entry_bytes)
+                    # Embed while the generation is still streaming in.
+                    embedding = asyncio.create_task(self._vector(stream.query))
+                else:
+                    stream.add(message)
+            if stream is None or stream.finish is None:
+                raise InvalidArgument("finish: the stream ended before the generation finished; nothing stored")
+            vector = await embedding if embedding is not None else None
+            entry = await asyncio.to_thread(
+                self._cache.store, stream.scope, stream.prompt, "".join(stream.texts), stream.token_ids,
+                stream.finish, query=stream.query, vector=vector, deltas=stream.deltas, ttl_s=stream.ttl_s or None)
+            outcome = "stored"
+            return cache_pb2.StoreResponse(entry_id=entry.entry_id)
+        except InvalidArgument:
+            outcome = "refused"
+            raise
+        finally:
+            STORES.labels(outcome).inc()
+            if embedding is not None and not embedding.done():
+                embedding.cancel()
+
+    async def Invalidate(  # noqa: N802
+        self, request: cache_pb2.InvalidateRequest, context: aio.ServicerContext
+    ) -> cache_pb2.InvalidateResponse:
+        """Remove the entries of one model, namespace, tenant or entry."""
+        target = request.WhichOneof("target")
+        scope = scope_from_pb(request.scope) if target == "scope" else None
+        if target is None or (scope is not None and not scope.model) or not (scope or getattr(request, target)):
+            raise InvalidArgument("target: set one of model, scope (with its model), tenant or entry_id")
+        removed = await asyncio.to_thread(self._cache.invalidate, model=request.model, scope=scope,
+                                          tenant=request.tenant, entry_id=request.entry_id)
+        log.info("cache_invalidated", target=target, removed=removed)
+        return cache_pb2.InvalidateResponse(removed=removed)
+
+    async def ReportFeedback(  # noqa: N802
+        self, request: cache_pb2.CacheFeedbackRequest, context: aio.ServicerContext
+    ) -> cache_pb2.CacheFeedbackResponse:
+        """Count feedback on a served entry; enough negative reports remove the entry."""
+        if not request.entry_id:
+            raise InvalidArgument("entry_id: required (LookupResponse.entry_id of the hit)")
+        if not 0.0 <= request.similarity <= 1.0:
+            raise InvalidArgument(f"similarity: must be in [0, 1], got {request.similarity}")
+        label = str(request.negative).lower()
+        FEEDBACK.labels(label).inc()
+        if request.negative:
+            NEGATIVE_FEEDBACK.inc()
+        if request.similarity:
+            FEEDBACK_SIMILARITY.labels(label).observe(request.similarity)
+        found, removed = await asyncio.to_thread(
+            self._cache.feedback, request.entry_id, request.negative, self._config.feedback_evict_after)
+        log.info("cache_feedback", entry_id=request.entry_id, negative=request.negative, removed=removed)
+        return cache_pb2.CacheFeedbackResponse(found=found, removed=removed)
+
+    async def Info(  # noqa: N802
+        self, request: cache_pb2.CacheInfoRequest, context: aio.ServicerContext
+    ) -> cache_pb2.CacheInfoResponse:
+        """What this cache serves with."""
+        return cache_pb2.CacheInfoResponse(
+            embedding_model=self._embedder.model_id, similarity_threshold=self._cache.rule.threshold,
+            key_term_guard=self._cache.rule.use_guard, index_kind=self._config.index_kind,
+            entries=self._cache.num_entries, shared_across_tenants=self._config.shared_across_tenants)
 
 
-def _count_eviction(reason: str, count: int) -> None:
-    EVICTIONS.labels(reason).inc(count)
+def _count_removal(reason: str, ids: Sequence[int]) -> None:
+    if reason != "replace":  # a replaced entry is not an eviction
+        EVICTIONS.labels(reason).inc(len(ids))
 
 
-async def create_server(config: CacheConfig) -> ServiceHandle:
-    """Open the cache file and build the (not yet started) server; the handle closes the file."""
-    path = config.resolved_db_path()
-    cache = await asyncio.to_thread(
-        ExactCache, path, ttl_s=config.ttl_s, max_entries=config.max_entries,
-        max_entry_bytes=config.max_entry_bytes, on_evict=_count_eviction)
+def open_semantic_cache(config: CacheConfig, embedder_id: str, dim: int) -> SemanticCache:
+    """The SemanticCache ``config`` describes (blocking: opens SQLite, loads or rebuilds the index)."""
+    return SemanticCache(
+        config.resolved_db_path(), config.resolved_index_path(), dim=dim,
+        rule=MatchRule(config.similarity_threshold, config.key_term_guard, config.candidates),
+        ttl_s=config.ttl_s, max_entries=config.max_entries, max_entry_bytes=config.max_entry_bytes,
+        embedder_id=embedder_id, shared_across_tenants=config.shared_across_tenants,
+        index_params=config.index_params(), purge_old_versions=config.purge_old_versions,
+        on_remove=_count_removal)
+
+
+async def create_server(config: CacheConfig, embedder: Embedder | None = None) -> ServiceHandle:
+    """Load and warm the embedding model (unless given), open the cache, build the (not yet
+    started) server; the handle's close snapshots the index and closes the file."""
+    faiss.omp_set_num_threads(config.index_threads)
+    if embedder is None:
+        embedder = await asyncio.to_thread(Embedder, config.embedding_device, config.embedding_threads)
+    await asyncio.to_thread(embedder.encode_one, "warm-up")  # first forward pass allocates
+    cache = await asyncio.to_thread(open_semantic_cache, config, embedder.model_id, embedder.dim)
     try:
         handle = new_server("cache", [SERVICE_NAME], config.host, config.port)
     except BaseException:
-        cache.close()
+        await asyncio.to_thread(cache.close)
         raise
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache), handle.server)
+    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, embedder, config), handle.server)
     ENTRIES.set_function(lambda: cache.num_entries)
+    VECTORS.set_function(lambda: cache.num_vectors)
 
     async def close() -> None:
         await asyncio.to_thread(cache.close)
 
     handle.on_close.append(close)
-    log.info("cache_opened", path=str(path), entries=cache.num_entries)
+    log.info("cache_opened", path=str(config.resolved_db_path()), entries=cache.num_entries,
+             index=cache.index_source, embedding_model=embedder.model_id, threshold=config.similarity_threshold)
     return handle
 
 

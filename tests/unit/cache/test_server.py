@@ -1,8 +1,10 @@
-"""The cache service in-process over real gRPC (port 0), with a deadline on every call."""
+"""The cache service in-process over real gRPC (port 0), with the real embedding model, real
+SQLite and real faiss, and a deadline on every call."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -11,17 +13,23 @@ from grpc import aio
 
 from aiserve.common.server import ServiceHandle
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from services.cache.config import CacheConfig
+from services.cache.config import DEFAULT_SIMILARITY_THRESHOLD, CacheConfig
+from services.cache.embedder import Embedder
 from services.cache.server import create_server
 
-TIMEOUT_S = 5.0
+TIMEOUT_S = 10.0
 SCOPE = cache_pb2.CacheScope(model="smollm2-135m-instruct@0.1.2", tenant="acme", params="t=0")
+STOP = common_pb2.FINISH_REASON_STOP
+Q = "What is the capital of France?"
+
+
+def config_for(tmp_path: Path, **kwargs: object) -> CacheConfig:
+    return CacheConfig(port=0, metrics_port=0, db_path=str(tmp_path / "cache.sqlite3"), **kwargs)  # type: ignore[arg-type]
 
 
 @pytest.fixture
-async def handle(tmp_path: Path) -> AsyncIterator[ServiceHandle]:
-    config = CacheConfig(port=0, metrics_port=0, db_path=str(tmp_path / "cache.sqlite3"))
-    handle = await create_server(config)
+async def handle(tmp_path: Path, embedder: Embedder) -> AsyncIterator[ServiceHandle]:
+    handle = await create_server(config_for(tmp_path), embedder)
     try:
         await handle.start()
         yield handle
@@ -35,24 +43,57 @@ async def stub(handle: ServiceHandle) -> AsyncIterator[cache_pb2_grpc.CacheStub]
         yield cache_pb2_grpc.CacheStub(channel)
 
 
-async def test_store_then_lookup_hits_exactly(stub: cache_pb2_grpc.CacheStub) -> None:
-    stored = await stub.Store(cache_pb2.StoreRequest(
-        scope=SCOPE, prompt="Hello?", text="Hi there.", token_ids=[12, 7, 2],
-        finish_reason=common_pb2.FINISH_REASON_STOP), timeout=TIMEOUT_S)
-    assert stored.entry_id
+def store_messages(
+    query: str = Q, deltas: Sequence[tuple[str, list[int]]] = (("Paris", [12]), (".", [7])),
+    finish: common_pb2.FinishReason = STOP, scope: cache_pb2.CacheScope = SCOPE,
+) -> list[cache_pb2.StoreRequest]:
+    messages = [cache_pb2.StoreRequest(header=cache_pb2.StoreHeader(scope=scope, prompt=f"<user>{query}",
+                                                                    query=query))]
+    messages += [cache_pb2.StoreRequest(delta=cache_pb2.AnswerDelta(text=t, token_ids=ids)) for t, ids in deltas]
+    messages.append(cache_pb2.StoreRequest(finish=cache_pb2.StoreFinish(finish_reason=finish)))
+    return messages
 
-    reply = await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt="Hello?"), timeout=TIMEOUT_S)
-    assert reply.hit
-    assert reply.similarity == 1.0
-    assert (reply.text, list(reply.token_ids)) == ("Hi there.", [12, 7, 2])
-    assert reply.finish_reason == common_pb2.FINISH_REASON_STOP
-    assert reply.entry_id == stored.entry_id
 
+async def store(stub: cache_pb2_grpc.CacheStub, messages: list[cache_pb2.StoreRequest]) -> str:
+    call = stub.Store(timeout=TIMEOUT_S)
+    for message in messages:
+        try:
+            await call.write(message)
+        except asyncio.InvalidStateError:  # the service has already refused the stream
+            break
+    await call.done_writing()
+    return (await call).entry_id
+
+
+async def lookup(stub: cache_pb2_grpc.CacheStub, query: str, scope: cache_pb2.CacheScope = SCOPE,
+                 **kwargs: object) -> cache_pb2.LookupResponse:
+    request = cache_pb2.LookupRequest(scope=scope, prompt=f"<user>{query}", query=query, **kwargs)  # type: ignore[arg-type]
+    return await stub.Lookup(request, timeout=TIMEOUT_S)
+
+
+async def test_a_streamed_answer_is_found_exactly_and_replayed_delta_by_delta(stub: cache_pb2_grpc.CacheStub) -> None:
+    entry_id = await store(stub, store_messages())
+    reply = await lookup(stub, Q)
+    assert reply.hit and reply.tier == cache_pb2.MATCH_TIER_EXACT and reply.similarity == 1.0
+    assert (reply.text, list(reply.token_ids), reply.entry_id) == ("Paris.", [12, 7], entry_id)
+    assert [(d.text, list(d.token_ids)) for d in reply.deltas] == [("Paris", [12]), (".", [7])]
+    assert reply.finish_reason == STOP
+
+
+async def test_a_paraphrase_hits_by_meaning_and_another_fact_does_not(stub: cache_pb2_grpc.CacheStub) -> None:
+    await store(stub, store_messages())
+    reply = await lookup(stub, "Which city is the capital of France?")
+    assert reply.hit and reply.tier == cache_pb2.MATCH_TIER_SEMANTIC
+    assert DEFAULT_SIMILARITY_THRESHOLD <= reply.similarity < 1.0
+    assert reply.text == "Paris." and len(reply.deltas) == 2
+    assert not (await lookup(stub, "What is the capital of Germany?")).hit
+    assert not (await lookup(stub, "法国的首都是哪里？")).hit
+    # A stricter threshold from the request; a looser one leaves the default in force.
+    assert not (await lookup(stub, "Which city is the capital of France?", min_similarity=0.999)).hit
+    assert not (await lookup(stub, "Tell me about France.", min_similarity=0.1)).hit  # ~0.69
     other_tenant = cache_pb2.CacheScope(model=SCOPE.model, tenant="globex", params=SCOPE.params)
-    miss = await stub.Lookup(cache_pb2.LookupRequest(scope=other_tenant, prompt="Hello?"),
-                             timeout=TIMEOUT_S)
-    assert not miss.hit
-    assert (miss.text, miss.entry_id, miss.similarity) == ("", "", 0.0)
+    miss = await lookup(stub, Q, scope=other_tenant)
+    assert not miss.hit and (miss.text, miss.entry_id, miss.similarity) == ("", "", 0.0)
 
 
 async def test_request_id_is_echoed_in_initial_metadata(stub: cache_pb2_grpc.CacheStub) -> None:
@@ -63,45 +104,87 @@ async def test_request_id_is_echoed_in_initial_metadata(stub: cache_pb2_grpc.Cac
     assert metadata.get("x-request-id") == "req-cache-1"
 
 
-@pytest.mark.parametrize("request_", [
-    cache_pb2.LookupRequest(scope=SCOPE, prompt=""),
-    cache_pb2.StoreRequest(scope=SCOPE, prompt="", text="x", finish_reason=common_pb2.FINISH_REASON_STOP),
+@pytest.mark.parametrize(("messages", "field"), [
+    (store_messages(finish=common_pb2.FINISH_REASON_CANCELLED), "finish_reason"),
+    (store_messages(finish=common_pb2.FINISH_REASON_ERROR), "finish_reason"),
+    (store_messages()[:-1], "finish"),  # ended without a finish
+    (store_messages()[1:], "header"),  # no header
+    (store_messages() + store_messages()[-1:], "finish"),  # something after the finish
+    (store_messages(deltas=[("x" * 700, [1])] * 3), "entry"),  # over max_entry_bytes
 ])
-async def test_empty_prompt_is_invalid_argument(
-    stub: cache_pb2_grpc.CacheStub, request_: cache_pb2.LookupRequest | cache_pb2.StoreRequest
+async def test_a_stream_that_did_not_finish_normally_stores_nothing(
+    tmp_path: Path, embedder: Embedder, messages: list[cache_pb2.StoreRequest], field: str
 ) -> None:
-    method = stub.Lookup if isinstance(request_, cache_pb2.LookupRequest) else stub.Store
+    handle = await create_server(config_for(tmp_path, max_entry_bytes=2048), embedder)
+    try:
+        await handle.start()
+        async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = cache_pb2_grpc.CacheStub(channel)
+            with pytest.raises(grpc.RpcError) as info:
+                await store(stub, messages)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(f"{field}:")
+            assert not (await lookup(stub, Q)).hit
+    finally:
+        await handle.stop(0)
+
+
+async def test_a_cancelled_store_stream_leaves_nothing_behind(stub: cache_pb2_grpc.CacheStub) -> None:
+    call = stub.Store(timeout=TIMEOUT_S)
+    for message in store_messages():
+        await call.write(message)
+    call.cancel()  # the generation was cancelled before the stream was closed
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not (await lookup(stub, Q)).hit
+
+
+async def test_empty_prompt_is_invalid_argument(stub: cache_pb2_grpc.CacheStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        await method(request_, timeout=TIMEOUT_S)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "prompt" in info.value.details()
+        await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt=""), timeout=TIMEOUT_S)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
 
 
-async def test_cancelled_answers_are_not_stored(stub: cache_pb2_grpc.CacheStub) -> None:
-    with pytest.raises(grpc.RpcError) as info:
-        await stub.Store(cache_pb2.StoreRequest(
-            scope=SCOPE, prompt="Hello?", text="Hi", finish_reason=common_pb2.FINISH_REASON_CANCELLED),
-            timeout=TIMEOUT_S)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    reply = await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt="Hello?"), timeout=TIMEOUT_S)
-    assert not reply.hit
+async def test_invalidate_feedback_and_info(stub: cache_pb2_grpc.CacheStub) -> None:
+    first = await store(stub, store_messages())
+    second = await store(stub, store_messages("How many legs does a spider have?", [("Eight.", [9])]))
+    info = await stub.Info(cache_pb2.CacheInfoRequest(), timeout=TIMEOUT_S)
+    assert info.entries == 2 and info.similarity_threshold == pytest.approx(DEFAULT_SIMILARITY_THRESHOLD)
+    assert info.key_term_guard and info.index_kind == "flat" and not info.shared_across_tenants
+    assert info.embedding_model.startswith("all-MiniLM-L6-v2@")
+
+    feedback = await stub.ReportFeedback(cache_pb2.CacheFeedbackRequest(entry_id=first, negative=True,
+                                                                        similarity=0.93), timeout=TIMEOUT_S)
+    assert feedback.found and feedback.removed
+    assert not (await lookup(stub, "Which city is the capital of France?")).hit
+    gone = await stub.ReportFeedback(cache_pb2.CacheFeedbackRequest(entry_id=first, negative=True), timeout=TIMEOUT_S)
+    assert not gone.found
+
+    removed = await stub.Invalidate(cache_pb2.InvalidateRequest(entry_id=second), timeout=TIMEOUT_S)
+    assert removed.removed == 1
+    with pytest.raises(grpc.RpcError) as err:
+        await stub.Invalidate(cache_pb2.InvalidateRequest(), timeout=TIMEOUT_S)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
-async def test_entries_survive_a_server_restart(tmp_path: Path) -> None:
-    config = CacheConfig(port=0, metrics_port=0, db_path=str(tmp_path / "cache.sqlite3"))
-    request = cache_pb2.StoreRequest(scope=SCOPE, prompt="Hello?", text="Hi", token_ids=[1],
-                                     finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    for round_ in range(2):
-        handle = await create_server(config)
+async def test_entries_and_index_survive_a_restart_even_without_the_index_file(
+    tmp_path: Path, embedder: Embedder
+) -> None:
+    config = config_for(tmp_path)
+    for round_ in range(3):
+        if round_ == 2:
+            config.resolved_index_path().unlink()  # rebuilt from SQLite, the record
+        handle = await create_server(config, embedder)
         try:
             await handle.start()
             async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
                 stub = cache_pb2_grpc.CacheStub(channel)
                 if round_ == 0:
-                    await stub.Store(request, timeout=TIMEOUT_S)
+                    await store(stub, store_messages(finish=common_pb2.FINISH_REASON_LENGTH))
                 else:
-                    reply = await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt="Hello?"),
-                                              timeout=TIMEOUT_S)
-                    assert reply.hit and reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
+                    reply = await lookup(stub, "Which city is the capital of France?")
+                    assert reply.hit and reply.tier == cache_pb2.MATCH_TIER_SEMANTIC
+                    assert reply.finish_reason == common_pb2.FINISH_REASON_LENGTH
         finally:
             await handle.stop(0)
+        assert config.resolved_index_path().is_file()
