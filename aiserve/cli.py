@@ -3,6 +3,8 @@
     aiserve models pull|list|verify NAME@VERSION|import PATH --name N --version V
     aiserve run                      # the four services, until Ctrl-C / SIGTERM
     aiserve chat "prompt"            # stream an answer from a running suite
+    aiserve keys create|list|revoke  # API keys and tenants
+    aiserve usage [--csv FILE]       # usage and cost report from the ledger
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from aiserve.admin import add_commands
+from aiserve.common.config import aiserve_home
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError, default_store_path
 from aiserve.suite import Suite, SuiteConfig
 
@@ -62,14 +66,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"starting aiserve (home {config.home}, logs in {suite.log_dir}) ...", flush=True)
         started = time.perf_counter()
         await suite.start(timeout_s=args.timeout)
-        key_hint = config.home / "dev.key"
+        key_file = suite.dev_key_path
         print(
             f"aiserve is SERVING after {time.perf_counter() - started:.1f}s\n"
             f"  gateway:  {config.address('gateway')}  (aiserve.v1.Gateway; reflection enabled)\n"
             f"  try:      .venv/bin/aiserve chat \"What is the capital of France?\"\n"
-            f"  or:       grpcurl -plaintext -d '{{\"prompt\":\"Hello\"}}' {config.address('gateway')} "
-            f"aiserve.v1.Gateway/Generate\n"
-            f"  (dev key file for authenticated setups: {key_hint})\n"
+            f"  or:       grpcurl -plaintext -H \"authorization: Bearer $(cat {key_file})\" "
+            f"-d '{{\"prompt\":\"Hello\"}}' {config.address('gateway')} aiserve.v1.Gateway/Generate\n"
+            f"  API key:  {key_file} (tenant 'dev', tier paid; `aiserve chat` reads it)\n"
             f"Ctrl-C stops all four services.",
             flush=True,
         )
@@ -100,9 +104,14 @@ async def _first_exit(suite: Suite) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from aiserve.client import chat
+    from aiserve.client import chat, read_key
 
-    return asyncio.run(chat(args.address, args.prompt, args.max_new_tokens, args.raw, args.timeout))
+    key = args.key or os.environ.get("AISERVE_API_KEY") or read_key(aiserve_home() / "dev.key")
+    if not key:
+        print(f"aiserve: no API key: pass --key, set AISERVE_API_KEY, or start the suite (it writes "
+              f"{aiserve_home() / 'dev.key'})", file=sys.stderr)
+        return 2
+    return asyncio.run(chat(args.address, args.prompt, args.max_new_tokens, args.raw, args.timeout, key))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,7 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     chat_p.add_argument("--max-new-tokens", type=int, default=256)
     chat_p.add_argument("--raw", action="store_true", help="send as a raw prompt, no chat template")
     chat_p.add_argument("--timeout", type=float, default=300)
+    chat_p.add_argument("--key", help="API key (default $AISERVE_API_KEY, else $AISERVE_HOME/dev.key)")
     chat_p.set_defaults(func=cmd_chat)
+
+    add_commands(sub)
     return parser
 
 

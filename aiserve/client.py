@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 from grpc import aio
@@ -12,7 +13,12 @@ from grpc import aio
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
-async def chat(address: str, prompt: str, max_new_tokens: int, raw: bool, timeout_s: float) -> int:
+def read_key(path: Path) -> str:
+    """The API key in a key file (``$AISERVE_HOME/dev.key``); "" when there is none."""
+    return path.read_text().strip() if path.is_file() else ""
+
+
+async def chat(address: str, prompt: str, max_new_tokens: int, raw: bool, timeout_s: float, key: str) -> int:
     """Stream the answer to stdout; print request id, token counts and timings to stderr."""
     request = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens))
     if raw:
@@ -24,7 +30,7 @@ async def chat(address: str, prompt: str, max_new_tokens: int, raw: bool, timeou
     first_ms = 0.0
     async with aio.insecure_channel(address) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
-            request, timeout=timeout_s, metadata=(("x-request-id", request_id),)
+            request, timeout=timeout_s, metadata=(("x-request-id", request_id), ("authorization", f"Bearer {key}"))
         )
         try:
             async for message in call:

@@ -4,7 +4,8 @@ integration tests use.
 Each service is its own process (``python -m services.<name>``) with its settings passed as
 environment variables, its JSON log written to ``$AISERVE_HOME/logs/<name>.log``. ``start()``
 waits until every service reports SERVING over grpc.health.v1 (no sleeps); ``stop()`` sends
-SIGTERM, waits for a graceful exit, and kills what is left.
+SIGTERM, waits for a graceful exit, and kills what is left. On start it makes sure the
+development tenant exists and its API key is in ``$AISERVE_HOME/dev.key`` (DESIGN.md §3).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import IO
 
 from aiserve.common.server import wait_for_serving
+from services.gateway.tenants import DEV_KEY_FILE, ensure_dev_key
 
 SERVICES = ("tokenizer", "inference", "cache", "gateway")
 DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054}
@@ -132,7 +134,14 @@ class Suite:
 
         await asyncio.gather(*(one(name) for name in names))
 
+    @property
+    def dev_key_path(self) -> Path:
+        return self.config.home / DEV_KEY_FILE
+
     async def start(self, timeout_s: float = 300) -> None:
+        """Create the development tenant's key (first start only), then start the four services."""
+        self.config.home.mkdir(parents=True, exist_ok=True)
+        ensure_dev_key(self.config.home)
         for name in SERVICES:
             self.start_service(name)
         try:

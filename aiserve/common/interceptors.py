@@ -68,7 +68,7 @@ class _Call:
     async def fail(self, exc: BaseException) -> None:
         if isinstance(exc, ApiError):
             self.code = exc.code
-            await self.context.abort(exc.code, exc.message)
+            await self.context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
         self.code = grpc.StatusCode.INTERNAL
         log.exception("rpc_bug", method=self.method)
         await self.context.abort(self.code, f"internal error (request_id={self.request_id})")

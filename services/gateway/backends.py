@@ -25,7 +25,9 @@ from aiserve.common.errors import (
     Unavailable,
 )
 from aiserve.common.interceptors import downstream_channel
+from aiserve.common.logging import get_logger
 from aiserve.v1 import (
+    cache_pb2,
     cache_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
@@ -35,6 +37,7 @@ from aiserve.v1 import (
 from services.gateway.config import GatewayConfig
 
 INFO_TIMEOUT_S = 5.0
+log = get_logger("backends")
 
 _PASS_THROUGH: dict[grpc.StatusCode, type[ApiError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -89,6 +92,17 @@ class Backends:
     async def close(self) -> None:
         for channel in self._channels:
             await channel.close()
+
+    async def report_cache_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
+        """Tell the cache how an answer it served was rated (it may evict the entry). Best
+        effort: the rating is already in the ledger, so a cache failure is only logged."""
+        if self.cache is None or not entry_id:
+            return
+        request = cache_pb2.CacheFeedbackRequest(entry_id=entry_id, negative=is_negative, similarity=similarity)
+        try:
+            await self.cache.ReportFeedback(request, timeout=INFO_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            log.warning("cache_feedback_failed", code=exc.code().name)  # type: ignore[attr-defined]
 
     def forget_route(self) -> None:
         """Re-check the pairing on the next request (after a backend failed or restarted)."""

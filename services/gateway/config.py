@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from aiserve.common.config import ServiceConfig, require
+from aiserve.common.config import ServiceConfig, aiserve_home, require
 from aiserve.store import DEFAULT_MODEL_REF
+from services.gateway.pricing import Price, PriceTable, parse_prices
 
 
 @dataclass(frozen=True)
@@ -36,15 +38,57 @@ class GatewayConfig(ServiceConfig):
     max_stop_chars: int = 64
     """Longest stop string in characters."""
     cache_max_temperature: float = 0.0
-    """Sampled requests (temperature above this, without a seed) are never cached."""
+    """Requests sampled at a temperature above this are never looked up in or stored to the cache
+    (a seed does not exempt them: a paraphrase with the same seed would get another sample)."""
     fingerprint_ttl_s: float = 2.0
     """Seconds a tokenizer/model fingerprint pairing check stays valid."""
+    max_prompt_tokens: int = 8192
+    """Most prompt tokens (after the chat template) a request may send; longer prompts are
+    INVALID_ARGUMENT, or cut from the left when the request asks for truncation."""
+    prices: tuple[str, ...] = ("smollm2-135m-instruct@0.1.2=50/150/1000",)
+    """Price table, one entry per model version: "name@version=PROMPT/COMPLETION/COMPUTE",
+    millionths of the currency per prompt token, per generated token, per compute-second."""
     prompt_price_micros_per_token: int = 50
-    """Price of one prompt token in millionths of the currency (0.05 per 1,000 tokens)."""
+    """Price of one prompt token of a model missing from `prices` (0.05 per 1,000 tokens)."""
     completion_price_micros_per_token: int = 150
-    """Price of one generated token in millionths of the currency."""
+    """Price of one generated token of a model missing from `prices`."""
+    compute_price_micros_per_second: int = 1000
+    """Price of one second of model compute of a model missing from `prices`."""
+    max_compute_ms_per_token: int = 100
+    """Compute billed per token (prompt + generated) at most, and reserved at admission, so
+    that no request ever costs more than the budget reserved for it."""
     downstream_timeout_s: float = 600.0
     """Deadline of a generation when the client set none."""
+    keys_path: str = ""
+    """SQLite file of tenants and API key hashes; "" = $AISERVE_HOME/keys.sqlite3."""
+    ledger_path: str = ""
+    """SQLite file of the usage ledger and feedback; "" = $AISERVE_HOME/ledger.sqlite3."""
+    free_priority: int = 0
+    """Scheduling priority of the free tier (higher is admitted to the batch first)."""
+    free_requests_per_minute: int = 60
+    """Generations a free tenant may start per minute (token bucket, burst = one minute)."""
+    free_tokens_per_minute: int = 50_000
+    """Prompt + generated tokens a free tenant may use per minute (reserved at admission)."""
+    free_budget_micros: int = 0
+    """Spending cap of a free tenant per budget_period in millionths; 0 = none."""
+    paid_priority: int = 10
+    """Scheduling priority of the paid tier."""
+    paid_requests_per_minute: int = 1200
+    """Generations a paid tenant may start per minute."""
+    paid_tokens_per_minute: int = 2_000_000
+    """Tokens a paid tenant may use per minute."""
+    paid_budget_micros: int = 0
+    """Spending cap of a paid tenant per budget_period; 0 = none."""
+    budget_period: str = "month"
+    """"day" or "month": the UTC calendar period a budget covers."""
+    repeat_window_s: float = 300.0
+    """A tenant asking a near-identical question within this many seconds is recorded as a
+    passive "repeat" signal on the earlier request (source §8.2)."""
+    repeat_similarity: float = 0.85
+    """Similarity (Jaccard of character 3-grams of the normalised question) that counts as
+    near-identical, 0..1."""
+    max_feedback_comment_chars: int = 2000
+    """Longest feedback comment."""
 
     def validate(self) -> None:
         super().validate()
@@ -55,7 +99,41 @@ class GatewayConfig(ServiceConfig):
                 f"max_new_tokens_limit: must be 1..1048576, got {self.max_new_tokens_limit}")
         require(0 <= self.cache_max_temperature <= 2,
                 f"cache_max_temperature: must be 0..2, got {self.cache_max_temperature}")
-        require(self.prompt_price_micros_per_token >= 0 and self.completion_price_micros_per_token >= 0,
-                "prompt_price_micros_per_token, completion_price_micros_per_token: must be >= 0")
+        require(self.prompt_price_micros_per_token >= 0 and self.completion_price_micros_per_token >= 0
+                and self.compute_price_micros_per_second >= 0,
+                "prompt_price_micros_per_token, completion_price_micros_per_token, "
+                "compute_price_micros_per_second: must be >= 0")
+        require(1 <= self.max_prompt_tokens <= 1 << 24,
+                f"max_prompt_tokens: must be 1..16777216, got {self.max_prompt_tokens}")
+        require(0 <= self.max_compute_ms_per_token <= 60_000,
+                f"max_compute_ms_per_token: must be 0..60000, got {self.max_compute_ms_per_token}")
+        for tier in ("free", "paid"):
+            for limit in ("requests_per_minute", "tokens_per_minute"):
+                value = getattr(self, f"{tier}_{limit}")
+                require(1 <= value <= 1 << 40, f"{tier}_{limit}: must be 1..{1 << 40}, got {value}")
+            budget = getattr(self, f"{tier}_budget_micros")
+            require(budget >= 0, f"{tier}_budget_micros: must be >= 0 (0 = none), got {budget}")
+        require(self.budget_period in {"day", "month"},
+                f"budget_period: must be day or month, got {self.budget_period!r}")
+        require(0 < self.repeat_window_s <= 86_400,
+                f"repeat_window_s: must be in (0, 86400], got {self.repeat_window_s}")
+        require(0 < self.repeat_similarity <= 1, f"repeat_similarity: must be in (0, 1], got {self.repeat_similarity}")
+        require(0 <= self.max_feedback_comment_chars <= 100_000,
+                f"max_feedback_comment_chars: must be 0..100000, got {self.max_feedback_comment_chars}")
+        parse_prices(self.prices)  # raises ConfigError naming the bad entry
+
+    def price_table(self) -> PriceTable:
+        """The prices of `prices`, with the default prices for models missing from it."""
+        default = Price(self.prompt_price_micros_per_token, self.completion_price_micros_per_token,
+                        self.compute_price_micros_per_second)
+        return PriceTable(parse_prices(self.prices), default, self.max_compute_ms_per_token)
+
+    def keys_file(self) -> Path:
+        """The tenants and keys database this config names ("" = under $AISERVE_HOME)."""
+        return Path(self.keys_path) if self.keys_path else aiserve_home() / "keys.sqlite3"
+
+    def ledger_file(self) -> Path:
+        """The usage ledger database this config names ("" = under $AISERVE_HOME)."""
+        return Path(self.ledger_path) if self.ledger_path else aiserve_home() / "ledger.sqlite3"
         for name in ("tokenizer_address", "inference_address"):
             require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")

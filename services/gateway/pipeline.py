@@ -8,19 +8,20 @@ domain values (Chunk, Final) to the servicer.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 from grpc import aio
 
-from aiserve.common.errors import InvalidArgument
 from aiserve.common.logging import get_logger
 from aiserve.v1 import cache_pb2, common_pb2, inference_pb2, tokenizer_pb2
 from services.gateway.backends import Backends, RouteInfo, downstream_error
+from services.gateway.cache_client import CacheKey, StoreStream, cache_key, replay
+from services.gateway.cache_client import lookup as cache_lookup
 from services.gateway.config import GatewayConfig
 from services.gateway.stops import StopMatcher
-from services.gateway.validation import Sampling
+from services.gateway.validation import Sampling, fit_prompt
 
 log = get_logger("pipeline")
 
@@ -31,6 +32,7 @@ _FINISH_FROM_PB = {
     common_pb2.FINISH_REASON_ERROR: "error",
 }
 FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
+_TRUNCATED = "[truncated-left:"  # prefix of a prompt cut to fit: a distinct cache key, never matched by meaning
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,10 @@ class GatewayRequest:
     personalized: bool = False
     truncate_left: bool = False
     tenant: str = ""
+    priority: int = 0
+    """Scheduling priority of the tenant's tier; higher is admitted to the batch first."""
+    cache_min_similarity: float | None = None
+    """A stricter similarity threshold for a cache hit by meaning (None = the cache's default)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +73,10 @@ class UsageRecord:
     model: str
     cost_micros: int
     cache_similarity: float = 0.0
+    compute_ms: int = 0
+    kv_peak_bytes: int = 0
+    cache_entry_id: str = ""
+    """On a cache hit: the entry that answered (feedback on the answer is reported to it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,46 +97,68 @@ class Pipeline:
     def __init__(self, config: GatewayConfig, backends: Backends) -> None:
         self.config = config
         self.backends = backends
+        self.prices = config.price_table()
 
-    async def generate(self, req: GatewayRequest, timeout_s: float | None) -> AsyncIterator[Chunk | Final]:
-        """Yield Chunks then one Final; after the Final, store the answer in the cache."""
+    async def generate(
+        self, req: GatewayRequest, timeout_s: float | None, admit: Callable[[int, str], None] | None = None
+    ) -> AsyncGenerator[Chunk | Final, None]:
+        """Yield Chunks then one Final; after the Final, store the answer in the cache.
+
+        ``timeout_s`` is the client's remaining deadline (None = the default): every downstream
+        call gets what is left of it. ``admit(prompt_tokens, model)`` runs once the prompt is
+        tokenized and fitted, before the cache and the model; it raises to refuse the request.
+        """
         started = time.perf_counter()
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.downstream_timeout_s)
         route = await self.backends.route(req.model)
         prompt = await self._render(req)
         self._fit_context(req, prompt, route)
-        scope = cache_pb2.CacheScope(model=route.model, tenant=req.tenant, params=req.sampling.cache_key())
+        if admit is not None:
+            admit(len(prompt.token_ids), route.model)
+        key = cache_key(route.model, req.tenant, req.sampling.cache_key(), prompt.text, req.messages,
+                        is_truncated=prompt.text.startswith(_TRUNCATED))
         use_cache = self._cacheable(req)
         if use_cache and req.cache_policy == "use":
-            hit = await self._lookup(scope, prompt.text)
+            hit = await self._lookup(key, req.cache_min_similarity)
             if hit is not None:
-                yield Chunk(hit.text, tuple(hit.token_ids))
+                for text, ids in replay(hit):  # as it was streamed, delta by delta
+                    yield Chunk(text, ids)
                 ms = _ms_since(started)
                 usage = self._usage(len(prompt.token_ids), len(hit.token_ids), route.model, 0, ms, ms,
-                                    cache_hit=True, similarity=hit.similarity)
+                                    cache_hit=True, similarity=hit.similarity, entry_id=hit.entry_id)
                 yield Final(_FINISH_FROM_PB.get(hit.finish_reason, "stop"), usage)
                 return
-        text_parts: list[str] = []
-        token_ids: list[int] = []
-        ttft_ms = 0
-        final_pb: inference_pb2.InferenceResponse | None = None
-        async for delta, ids, last in self._stream(req, route.model, prompt, timeout_s):
-            token_ids.extend(ids)
-            if delta:
-                ttft_ms = ttft_ms or _ms_since(started)
-                text_parts.append(delta)
-            if delta or ids:
-                yield Chunk(delta, ids)
-            final_pb = last or final_pb
-        finish = _FINISH_FROM_PB.get(final_pb.finish_reason, "stop") if final_pb else "stop"
-        if final_pb is None and token_ids:
-            finish = "stop"  # ended by a stop string: we cancelled the generation ourselves
-        usage = self._usage(
-            len(prompt.token_ids), len(token_ids), route.model,
-            final_pb.queue_ms if final_pb else 0, ttft_ms or _ms_since(started), _ms_since(started),
-        )
-        yield Final(finish, usage)
-        if use_cache and finish in {"stop", "length"}:
-            await self._store(scope, prompt.text, "".join(text_parts), token_ids, finish)
+        store = self._store(key, deadline) if use_cache else None  # streams into the cache as it goes
+        try:
+            text_parts: list[str] = []
+            token_ids: list[int] = []
+            ttft_ms = 0
+            final_pb: inference_pb2.InferenceResponse | None = None
+            async for delta, ids, last in self._stream(req, route.model, prompt, deadline):
+                token_ids.extend(ids)
+                if delta:
+                    ttft_ms = ttft_ms or _ms_since(started)
+                    text_parts.append(delta)
+                if delta or ids:
+                    if store is not None:
+                        store.add(delta, ids)
+                    yield Chunk(delta, ids)
+                final_pb = last or final_pb
+            finish = _FINISH_FROM_PB.get(final_pb.finish_reason, "stop") if final_pb else "stop"
+            if final_pb is None and token_ids:
+                finish = "stop"  # ended by a stop string: we cancelled the generation ourselves
+            usage = self._usage(
+                len(prompt.token_ids), len(token_ids), route.model,
+                final_pb.queue_ms if final_pb else 0, ttft_ms or _ms_since(started), _ms_since(started),
+                compute_ms=final_pb.compute_ms if final_pb else 0,
+                kv_peak_bytes=final_pb.kv_peak_bytes if final_pb else 0,
+            )
+            yield Final(finish, usage)
+            if store is not None and finish in {"stop", "length"}:
+                await store.commit(FINISH_TO_PB[finish])  # only a normally finished answer is kept
+        finally:
+            if store is not None:
+                store.abort()  # a cancelled or failed generation leaves nothing behind (no-op after commit)
 
     async def count_tokens(self, request: common_pb2.CountTokensRequest) -> common_pb2.CountTokensResponse:
         route = await self.backends.route(request.model)
@@ -159,22 +191,11 @@ class Pipeline:
 
     def _fit_context(self, req: GatewayRequest, prompt: _Prompt, route: RouteInfo) -> None:
         """Source §2.2: the context is a hard limit. Refuse, or drop the oldest tokens if asked."""
-        budget = route.context_length - req.sampling.max_new_tokens
-        if budget < 1:
-            raise InvalidArgument(
-                f"sampling.max_new_tokens: must leave room for the prompt in the context of "
-                f"{route.context_length} tokens, got {req.sampling.max_new_tokens}"
-            )
-        if len(prompt.token_ids) <= budget:
-            return
-        if not req.truncate_left:
-            raise InvalidArgument(
-                f"prompt: {len(prompt.token_ids)} tokens + max_new_tokens "
-                f"{req.sampling.max_new_tokens} exceed the context length {route.context_length} "
-                f"of {route.model}; shorten it or set truncation=TRUNCATION_LEFT"
-            )
-        prompt.token_ids = prompt.token_ids[-budget:]
-        prompt.text = f"[truncated-left:{budget}]" + prompt.text  # distinct cache key
+        fitted = fit_prompt(prompt.token_ids, req.sampling.max_new_tokens, route.context_length, route.model,
+                            self.config.max_prompt_tokens, req.truncate_left)
+        if len(fitted) < len(prompt.token_ids):
+            prompt.token_ids = fitted
+            prompt.text = f"{_TRUNCATED}{len(fitted)}]" + prompt.text  # distinct cache key
 
     def _cacheable(self, req: GatewayRequest) -> bool:
         sampling = req.sampling
@@ -182,11 +203,11 @@ class Pipeline:
             self.backends.cache is not None
             and req.cache_policy != "bypass"
             and not req.personalized
-            and (sampling.temperature <= self.config.cache_max_temperature or sampling.seed is not None)
+            and sampling.temperature <= self.config.cache_max_temperature
         )
 
     async def _stream(
-        self, req: GatewayRequest, model: str, prompt: _Prompt, timeout_s: float | None
+        self, req: GatewayRequest, model: str, prompt: _Prompt, deadline: float
     ) -> AsyncIterator[tuple[str, tuple[int, ...], inference_pb2.InferenceResponse | None]]:
         """(text delta, ids, last message or None) as tokens arrive; cancels what it started."""
         s = req.sampling
@@ -199,11 +220,11 @@ class Pipeline:
         call = self.backends.inference.Generate(
             inference_pb2.InferenceRequest(
                 request_id=req.request_id, model=model, prompt_token_ids=prompt.token_ids,
-                decoding=decoding,
+                decoding=decoding, priority=req.priority,
             ),
-            timeout=timeout_s or self.config.downstream_timeout_s,
+            timeout=_remaining_s(deadline),  # the client's deadline becomes the inference deadline
         )
-        detok = self.backends.tokenizer.DetokenizeStream(timeout=timeout_s or self.config.downstream_timeout_s)
+        detok = self.backends.tokenizer.DetokenizeStream(timeout=_remaining_s(deadline))
         stops = StopMatcher(s.stop)
         service = "inference"
         try:
@@ -216,7 +237,7 @@ class Pipeline:
                 delta = (await detok.read()).text_delta  # type: ignore[union-attr]
                 service = "inference"
                 text = stops.feed(delta)
-                last = message if message.finish_reason else None
+                last = message  # every message carries the running counters (queue, compute, KV)
                 yield text, ids, last
                 if stops.stopped:
                     return
@@ -234,35 +255,27 @@ class Pipeline:
             call.cancel()
             detok.cancel()
 
-    async def _lookup(self, scope: cache_pb2.CacheScope, prompt: str) -> cache_pb2.LookupResponse | None:
+    async def _lookup(self, key: CacheKey, min_similarity: float | None) -> cache_pb2.LookupResponse | None:
         assert self.backends.cache is not None
-        try:
-            reply = await self.backends.cache.Lookup(cache_pb2.LookupRequest(scope=scope, prompt=prompt), timeout=5)
-        except grpc.RpcError as exc:  # the cache is an optimisation: a failure is a miss
-            log.warning("cache_lookup_failed", code=exc.code().name)  # type: ignore[attr-defined]
-            return None
-        return reply if reply.hit else None
+        return await cache_lookup(self.backends.cache, key, min_similarity)
 
-    async def _store(self, scope: cache_pb2.CacheScope, prompt: str, text: str, ids: list[int], finish: str) -> None:
+    def _store(self, key: CacheKey, deadline: float) -> StoreStream:
         assert self.backends.cache is not None
-        request = cache_pb2.StoreRequest(
-            scope=scope, prompt=prompt, text=text, token_ids=ids, finish_reason=FINISH_TO_PB[finish]
-        )
-        try:
-            await self.backends.cache.Store(request, timeout=5)
-        except grpc.RpcError as exc:
-            log.warning("cache_store_failed", code=exc.code().name)  # type: ignore[attr-defined]
+        return StoreStream(self.backends.cache, key, timeout_s=_remaining_s(deadline) + 5.0)
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, model: str, queue_ms: int,
-               ttft_ms: int, total_ms: int, cache_hit: bool = False, similarity: float = 0.0) -> UsageRecord:
+               ttft_ms: int, total_ms: int, cache_hit: bool = False, similarity: float = 0.0,
+               compute_ms: int = 0, kv_peak_bytes: int = 0, entry_id: str = "") -> UsageRecord:
         # A cache hit costs only the lookup: no tokens are computed, so none are billed.
-        cost = 0 if cache_hit else (
-            prompt_tokens * self.config.prompt_price_micros_per_token
-            + completion_tokens * self.config.completion_price_micros_per_token
-        )
+        cost = 0 if cache_hit else self.prices.cost(model, prompt_tokens, completion_tokens, compute_ms)
         return UsageRecord(prompt_tokens, completion_tokens, cache_hit, queue_ms, ttft_ms, total_ms,
-                           model, cost, similarity)
+                           model, cost, similarity, compute_ms, kv_peak_bytes, entry_id)
 
 
 def _ms_since(started: float) -> int:
     return int((time.perf_counter() - started) * 1000)
+
+
+def _remaining_s(deadline: float) -> float:
+    """Seconds left until ``deadline`` (monotonic), at least a millisecond (gRPC needs > 0)."""
+    return max(deadline - time.monotonic(), 0.001)

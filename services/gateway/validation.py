@@ -135,3 +135,30 @@ def validate_input(prompt: str | None, messages: list[tuple[str, str]] | None, c
         total += len(content)
     if total > config.max_prompt_chars:
         raise InvalidArgument(f"chat.messages: at most {config.max_prompt_chars} characters in all, got {total}")
+
+
+def fit_prompt(token_ids: list[int], max_new_tokens: int, context_length: int, model: str,
+               max_prompt_tokens: int, truncate_left: bool) -> list[int]:
+    """Source §2.2: the context is a hard limit, and so is the max_prompt_tokens setting.
+    Refuse a prompt over either (INVALID_ARGUMENT naming the limit), or keep its newest tokens
+    when the request asked for truncation."""
+    room = context_length - max_new_tokens
+    if room < 1:
+        raise InvalidArgument(
+            f"sampling.max_new_tokens: must leave room for the prompt in the context of "
+            f"{context_length} tokens, got {max_new_tokens}"
+        )
+    budget = min(room, max_prompt_tokens)
+    if len(token_ids) <= budget:
+        return token_ids
+    if truncate_left:
+        return token_ids[-budget:]
+    if room <= max_prompt_tokens:
+        raise InvalidArgument(
+            f"prompt: {len(token_ids)} tokens + max_new_tokens {max_new_tokens} exceed the context length "
+            f"{context_length} of {model}; shorten it or set truncation=TRUNCATION_LEFT"
+        )
+    raise InvalidArgument(
+        f"prompt: {len(token_ids)} tokens, over the limit of max_prompt_tokens {max_prompt_tokens}; "
+        "shorten it or set truncation=TRUNCATION_LEFT"
+    )

@@ -71,3 +71,21 @@ def test_bad_input(prompt: str | None, messages: list[tuple[str, str]] | None, n
 def test_good_input_passes() -> None:
     validate_input("hi", None, GatewayConfig())
     validate_input(None, [("system", "be brief"), ("user", "hi")], GatewayConfig())
+
+
+def test_fit_prompt_refuses_or_truncates_at_the_context_and_max_prompt_tokens() -> None:
+    from services.gateway.validation import fit_prompt
+
+    ids = list(range(10))
+    assert fit_prompt(ids, 4, 16, "m@1", 100, False) == ids
+    with pytest.raises(InvalidArgument) as info:
+        fit_prompt(ids, 8, 16, "m@1", 100, False)
+    assert info.value.message.startswith("prompt:") and "16" in info.value.message
+    assert fit_prompt(ids, 8, 16, "m@1", 100, True) == ids[-8:]
+    with pytest.raises(InvalidArgument) as info:
+        fit_prompt(ids, 4, 100, "m@1", 6, False)
+    assert "max_prompt_tokens 6" in info.value.message
+    assert fit_prompt(ids, 4, 100, "m@1", 6, True) == ids[-6:]
+    with pytest.raises(InvalidArgument) as info:
+        fit_prompt(ids, 16, 16, "m@1", 100, True)
+    assert info.value.message.startswith("sampling.max_new_tokens")

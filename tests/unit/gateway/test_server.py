@@ -1,0 +1,229 @@
+"""The real gateway server in-process over real gRPC, in front of fake tokenizer and inference
+services (port 0): what it passes downstream (deadline, priority, cancel) and what it bills."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc import aio
+
+from aiserve.common.server import ServiceHandle, new_server
+from aiserve.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+    tokenizer_pb2,
+    tokenizer_pb2_grpc,
+)
+from services.gateway.config import GatewayConfig
+from services.gateway.ledger import Ledger
+from services.gateway.server import create_server
+from services.gateway.tenants import KeyStore, Tenant
+
+TIMEOUT_S = 10.0
+MODEL = "fake@1"
+
+
+class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
+    """One token per word; token id n detokenizes to "w{n} "."""
+
+    async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
+        return tokenizer_pb2.TokenizerInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096, vocab_size=100)
+
+    async def Tokenize(self, request, context):  # noqa: N802, ANN001, ANN201
+        return tokenizer_pb2.TokenizeResponse(token_ids=[1] * len(request.text.split()))
+
+    async def ApplyChatTemplate(self, request, context):  # noqa: N802, ANN001, ANN201
+        text = " ".join(m.content for m in request.messages)
+        return tokenizer_pb2.ApplyChatTemplateResponse(text=text, token_ids=[1] * (len(text.split()) + 2))
+
+    async def DetokenizeStream(self, requests, context):  # noqa: N802, ANN001, ANN201
+        async for request in requests:
+            yield tokenizer_pb2.DetokenizeStreamResponse(text_delta="".join(f"w{i} " for i in request.token_ids))
+        yield tokenizer_pb2.DetokenizeStreamResponse()
+
+
+@dataclass
+class Seen:
+    """What the fake inference saw of each request."""
+
+    remaining_s: list[float] = field(default_factory=list)
+    priorities: list[int] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class FakeInference(inference_pb2_grpc.InferenceServicer):
+    """Streams max_new_tokens ids; a prompt of exactly 7 words hangs after one token."""
+
+    def __init__(self, seen: Seen) -> None:
+        self.seen = seen
+
+    async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
+        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096)
+
+    async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.seen.remaining_s.append(context.time_remaining())
+        self.seen.priorities.append(request.priority)
+        n = request.decoding.max_new_tokens
+        try:
+            for i in range(n - 1):
+                yield inference_pb2.InferenceResponse(token_ids=[10 + i])
+                if len(request.prompt_token_ids) == 7:
+                    await asyncio.Event().wait()  # until the caller cancels
+            yield inference_pb2.InferenceResponse(
+                token_ids=[99],
+                finish_reason=common_pb2.FINISH_REASON_LENGTH,
+                completion_tokens=n,
+                prompt_tokens=len(request.prompt_token_ids),
+                queue_ms=3,
+                compute_ms=250,
+                kv_peak_bytes=65536,
+            )
+        except asyncio.CancelledError:
+            self.seen.cancelled.set()
+            raise
+
+
+@dataclass
+class Gateway:
+    address: str
+    ledger_path: Path
+    keys: dict[str, str]
+    seen: Seen
+
+    def auth(self, tenant: str) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.keys[tenant]}"),)
+
+    def rows(self) -> list[tuple[object, ...]]:
+        ledger = Ledger(self.ledger_path)
+        try:
+            return ledger.query(
+                "SELECT request_id, tenant, api, status, prompt_tokens, completion_tokens, "
+                "compute_ms, kv_peak_bytes, cost_micros FROM usage ORDER BY id",
+                (),
+            )
+        finally:
+            ledger.close()
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    seen = Seen()
+    backends: list[ServiceHandle] = []
+    for name, add, servicer in (
+        ("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server, FakeTokenizer()),
+        ("inference", inference_pb2_grpc.add_InferenceServicer_to_server, FakeInference(seen)),
+    ):
+        handle = new_server(name, [], "127.0.0.1", 0)
+        add(servicer, handle.server)  # type: ignore[operator]
+        backends.append(handle)
+    store = KeyStore(tmp_path / "keys.sqlite3")
+    keys = {}
+    for tenant, tier in (("freebie", "free"), ("payer", "paid")):
+        store.put_tenant(Tenant(tenant, tier))
+        keys[tenant] = store.create_key(tenant)[1]
+    store.close()
+    config = GatewayConfig(
+        port=0,
+        metrics_port=0,
+        tokenizer_address=f"127.0.0.1:{backends[0].port}",
+        inference_address=f"127.0.0.1:{backends[1].port}",
+        cache_address="",
+        default_model=MODEL,
+        keys_path=str(tmp_path / "keys.sqlite3"),
+        ledger_path=str(tmp_path / "ledger.sqlite3"),
+        prices=(f"{MODEL}=10/20/1000",),
+    )
+    handle = await create_server(config)
+    try:
+        for h in (*backends, handle):
+            await h.start()
+        yield Gateway(f"127.0.0.1:{handle.port}", tmp_path / "ledger.sqlite3", keys, seen)
+    finally:
+        for h in (handle, *backends):
+            await h.stop(0)
+
+
+def request(words: int = 3, max_new_tokens: int = 4) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        prompt=" ".join(["word"] * words), sampling=common_pb2.SamplingParams(max_new_tokens=max_new_tokens)
+    )
+
+
+async def test_streamed_and_unary_are_billed_identically_and_the_row_is_committed_first(gateway: Gateway) -> None:
+    async with aio.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        meta = gateway.auth("payer")
+        messages = [
+            m async for m in stub.Generate(request(), metadata=(*meta, ("x-request-id", "s-1")), timeout=TIMEOUT_S)
+        ]
+        committed = gateway.rows()  # the final message was received: its row must already be there
+        reply = await stub.Complete(request(), metadata=(*meta, ("x-request-id", "u-1")), timeout=TIMEOUT_S)
+    assert [r[0] for r in committed] == ["s-1"]
+    streamed = messages[-1].usage
+    # 3 prompt tokens x 10 + 4 completion x 20 + 250 ms x 1000 / s = 30 + 80 + 250.
+    assert streamed.cost_micros == reply.usage.cost_micros == 360
+    rows = gateway.rows()
+    assert [r[:4] for r in rows] == [("s-1", "payer", "Generate", "OK"), ("u-1", "payer", "Complete", "OK")]
+    assert rows[0][4:] == rows[1][4:] == (3, 4, 250, 65536, 360)
+
+
+async def test_tier_priority_and_the_clients_deadline_go_downstream(gateway: Gateway) -> None:
+    async with aio.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        await stub.Complete(request(), metadata=gateway.auth("freebie"), timeout=3.0)
+        await stub.Complete(request(), metadata=gateway.auth("payer"), timeout=TIMEOUT_S)
+    free_priority, paid_priority = gateway.seen.priorities
+    assert paid_priority > free_priority
+    # The client's deadline, less what rendering took (gRPC's timeout header rounds it up a little),
+    # never the gateway's own default of minutes.
+    assert 2.0 < gateway.seen.remaining_s[0] <= 3.5
+    assert 9.0 < gateway.seen.remaining_s[1] <= TIMEOUT_S + 0.5
+
+
+async def test_client_cancel_cancels_the_generation_and_is_recorded(gateway: Gateway) -> None:
+    async with aio.insecure_channel(gateway.address) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+            request(words=7, max_new_tokens=50),
+            metadata=(*gateway.auth("payer"), ("x-request-id", "c-1")),
+            timeout=TIMEOUT_S,
+        )
+        first = await call.read()
+        assert first.token_ids
+        call.cancel()
+        await asyncio.wait_for(gateway.seen.cancelled.wait(), TIMEOUT_S)
+
+
+async def test_deadline_expiry_cancels_downstream(gateway: Gateway) -> None:
+    async with aio.insecure_channel(gateway.address) as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            await gateway_pb2_grpc.GatewayStub(channel).Complete(
+                request(words=7, max_new_tokens=50), metadata=gateway.auth("payer"), timeout=1.0
+            )
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    await asyncio.wait_for(gateway.seen.cancelled.wait(), TIMEOUT_S)
+
+
+async def test_every_rpc_needs_a_valid_key(gateway: Gateway) -> None:
+    async with aio.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        bad = (("authorization", "Bearer ais_00000000_not-a-real-key-at-all-no"),)
+        calls = [
+            stub.Complete(request(), timeout=TIMEOUT_S),
+            stub.Complete(request(), metadata=bad, timeout=TIMEOUT_S),
+            stub.CountTokens(common_pb2.CountTokensRequest(prompt="hi"), metadata=bad, timeout=TIMEOUT_S),
+            stub.GetUsage(gateway_pb2.UsageRequest(), metadata=bad, timeout=TIMEOUT_S),
+            stub.SubmitFeedback(gateway_pb2.FeedbackRequest(request_id="x", rating=1), metadata=bad, timeout=TIMEOUT_S),
+        ]
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                await call
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization" in info.value.details()
