@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from grpc import aio
@@ -22,6 +24,8 @@ from aiserve.common.interceptors import ServerInterceptor
 from aiserve.common.logging import get_logger
 
 log = get_logger("server")
+
+ConfigT = TypeVar("ConfigT")
 
 _OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -127,3 +131,37 @@ async def wait_for_serving(address: str, timeout_s: float, service: str = "") ->
                     raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f}s") from exc
                 # Server went away mid-watch (restart): wait_for_ready makes the next try block.
                 await asyncio.wait_for(channel.channel_ready(), timeout=max(remaining, 0.01))
+
+
+def run_service(
+    name: str,
+    config_cls: type[ConfigT],
+    create: Callable[[ConfigT], Awaitable[ServiceHandle]],
+    argv: Sequence[str] | None = None,
+    prepare: Callable[[ConfigT], None] | None = None,
+) -> None:
+    """The ``main()`` every service shares: settings, JSON logging, ``prepare`` (e.g. torch
+    threads), metrics, then serve until SIGTERM/SIGINT. Bad settings or a model the store
+    refuses end the process with one clear line on stderr and exit code 2."""
+    from aiserve.common.config import ConfigError, load_config
+    from aiserve.common.logging import configure_logging
+    from aiserve.store import ModelStoreError
+
+    try:
+        config = load_config(config_cls, name, sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        print(f"aiserve-{name}: bad settings: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    configure_logging(name, config.log_level)  # type: ignore[attr-defined]
+    if prepare is not None:
+        prepare(config)
+    start_metrics(config.metrics_port, config.host)  # type: ignore[attr-defined]
+
+    async def run() -> None:
+        await serve(await create(config), config.grace_s)  # type: ignore[attr-defined]
+
+    try:
+        asyncio.run(run())
+    except ModelStoreError as exc:
+        print(f"aiserve-{name}: cannot load the model: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

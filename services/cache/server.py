@@ -9,7 +9,6 @@ loaded and run once before the server is handed back, so the service reports SER
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -18,10 +17,9 @@ import faiss
 from grpc import aio
 from prometheus_client import Counter, Gauge, Histogram
 
-from aiserve.common.config import load_config
 from aiserve.common.errors import InvalidArgument
-from aiserve.common.logging import configure_logging, get_logger
-from aiserve.common.server import ServiceHandle, new_server, serve, start_metrics
+from aiserve.common.logging import get_logger
+from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder, Vector
@@ -275,14 +273,7 @@ async def create_server(config: CacheConfig, embedder: Embedder | None = None) -
     return handle
 
 
-async def _run(config: CacheConfig) -> None:
-    handle = await create_server(config)
-    await serve(handle, config.grace_s)
-
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of ``python -m services.cache``."""
-    config = load_config(CacheConfig, "cache", sys.argv[1:] if argv is None else argv)
-    configure_logging("cache", config.log_level)
-    start_metrics(config.metrics_port, config.host)
-    asyncio.run(_run(config))
+    run_service("cache", CacheConfig, create_server, argv)

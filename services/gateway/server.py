@@ -3,8 +3,6 @@ here, nowhere else)."""
 
 from __future__ import annotations
 
-import asyncio
-import sys
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from datetime import datetime
@@ -12,11 +10,10 @@ from datetime import datetime
 from grpc import aio
 from prometheus_client import Counter
 
-from aiserve.common.config import load_config
 from aiserve.common.context import current_request_id, traceparent_var
 from aiserve.common.errors import InvalidArgument
-from aiserve.common.logging import configure_logging, get_logger
-from aiserve.common.server import ServiceHandle, new_server, serve, start_metrics
+from aiserve.common.logging import get_logger
+from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.accounting import Accounting, RequestAccount
 from services.gateway.backends import Backends
@@ -234,11 +231,4 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
 
 
 def main(argv: list[str] | None = None) -> None:
-    config = load_config(GatewayConfig, "gateway", sys.argv[1:] if argv is None else argv)
-    configure_logging("gateway", config.log_level)
-    start_metrics(config.metrics_port)
-
-    async def run() -> None:
-        await serve(await create_server(config), config.grace_s)
-
-    asyncio.run(run())
+    run_service("gateway", GatewayConfig, create_server, argv)

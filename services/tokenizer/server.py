@@ -8,19 +8,17 @@ are tokenized in a worker thread so the event loop keeps serving other calls.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import AsyncIterator, Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
 from grpc import aio
 
-from aiserve.common.config import ConfigError, load_config
 from aiserve.common.context import current_request_id
 from aiserve.common.errors import NotFound
-from aiserve.common.logging import configure_logging, get_logger
-from aiserve.common.server import ServiceHandle, new_server, serve, start_metrics
-from aiserve.store import ModelRef, ModelStore, ModelStoreError, default_store_path
+from aiserve.common.logging import get_logger
+from aiserve.common.server import ServiceHandle, new_server, run_service
+from aiserve.store import ModelRef, ModelStore, default_store_path
 from aiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -156,22 +154,7 @@ async def create_server(config: TokenizerConfig) -> ServiceHandle:
     return handle
 
 
-async def _serve(config: TokenizerConfig) -> None:
-    handle = await create_server(config)
-    await serve(handle, config.grace_s)
-
 
 def main(argv: list[str] | None = None) -> None:
     """Run the tokenizer service until SIGTERM/SIGINT. Exit code 2 on bad settings or model."""
-    try:
-        config = load_config(TokenizerConfig, "tokenizer", sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        print(f"aiserve-tokenizer: bad settings: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging("tokenizer", config.log_level)
-    start_metrics(config.metrics_port)
-    try:
-        asyncio.run(_serve(config))
-    except ModelStoreError as exc:
-        print(f"aiserve-tokenizer: cannot load the model: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    run_service("tokenizer", TokenizerConfig, create_server, argv)
