@@ -21,10 +21,10 @@ import torch
 
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from aiserve.common.logging import get_logger
-from services.inference.engine import GenerateRequest, TokenEvent
 from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.model import eos_token_ids
+from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
 from services.inference.scheduler import PrefixIndex, Scheduler, SchedulerConfig, SchedulerOutput, Seq
@@ -66,11 +66,16 @@ class _Record:
         except RuntimeError:  # the caller's loop is closed: nobody listens any more
             pass
 
+    bytes_per_token: int = 0
+    peak_tokens: int = 0
+
     def event(self, token_ids: tuple[int, ...], reason: str | None) -> TokenEvent:
         seq = self.seq
         queued_s = (seq.first_scheduled or time.monotonic()) - seq.arrival
+        self.peak_tokens = max(self.peak_tokens, seq.num_computed_tokens)  # K/V written so far
         return TokenEvent(token_ids, reason, seq.num_prompt_tokens,  # type: ignore[arg-type]
-                          seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000)
+                          seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000,
+                          self.peak_tokens * self.bytes_per_token)
 
 
 class BatchEngine:
@@ -199,7 +204,8 @@ class BatchEngine:
         seq = Seq(list(prompt), len(prompt), request.max_new_tokens, request.priority,
                   request.deadline, stop_ids)
         sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
-        record = _Record(request, seq, sampling, asyncio.get_running_loop())
+        record = _Record(request, seq, sampling, asyncio.get_running_loop(),
+                         bytes_per_token=self.cache.layout.bytes_per_token)
         with self._lock:
             if not self._is_accepting:
                 raise Unavailable("inference is draining; retry on another replica")

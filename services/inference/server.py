@@ -1,33 +1,75 @@
-"""The inference gRPC service: a thin servicer over the engine, plus create_server and main."""
+"""The inference gRPC service: a thin servicer over the batching engine, plus create_server and main."""
 
 from __future__ import annotations
 
 import asyncio
-import sys
+import os
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
 
 import torch
 from grpc import aio
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from aiserve.common.config import ConfigError, load_config
 from aiserve.common.context import current_request_id
 from aiserve.common.errors import NotFound
-from aiserve.common.logging import configure_logging, get_logger
-from aiserve.common.server import ServiceHandle, new_server, serve, start_metrics
-from aiserve.store import ModelRef, ModelStore, ModelStoreError
+from aiserve.common.logging import get_logger
+from aiserve.common.server import ServiceHandle, new_server, run_service
+from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.batch_engine import BatchEngine, EngineStats
 from services.inference.config import InferenceConfig
-from services.inference.engine import Engine, GenerateRequest, TokenEvent
-from services.inference.model import LoadedModel, load_model
+from services.inference.llama import LlamaModel
+from services.inference.model import TORCH_DTYPES, ModelInfo, eos_token_ids
+from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
 
 log = get_logger("inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-QUEUE_LENGTH = Gauge("aiserve_inference_queue_length", "Requests waiting for the model")
-GENERATED_TOKENS = Counter("aiserve_inference_generated_tokens", "Tokens generated and streamed")
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+class EngineCollector(Collector):
+    """Prometheus view of ``BatchEngine.stats()``, read at scrape time (no per-step updates)."""
+
+    def __init__(self) -> None:
+        self.engine: BatchEngine | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        if self.engine is None:
+            return
+        s = self.engine.stats()
+        rss = rss_bytes()
+        p = "aiserve_inference_"
+        yield GaugeMetricFamily(p + "running", "Sequences in the running batch", value=s.num_running)
+        yield GaugeMetricFamily(p + "queue_length", "Requests waiting for the model", value=s.num_waiting)
+        yield GaugeMetricFamily(p + "kv_total_bytes", "KV cache size (slots + prefix store)", value=s.kv_total_bytes)
+        yield GaugeMetricFamily(p + "kv_used_bytes", "KV cache bytes held now", value=s.kv_used_bytes)
+        yield GaugeMetricFamily(p + "kv_free_bytes", "KV cache bytes free now", value=s.kv_free_bytes)
+        yield GaugeMetricFamily(p + "kv_share_of_rss", "KV cache size / resident memory",
+                                value=s.kv_total_bytes / rss if rss else 0.0)
+        yield CounterMetricFamily(p + "prefix_lookups", "Prefix-cache lookups", value=s.prefix_lookups)
+        yield CounterMetricFamily(p + "prefix_hits", "Prefix-cache lookups that hit", value=s.prefix_hits)
+        yield CounterMetricFamily(p + "prefix_hit_tokens", "Prompt tokens reused", value=s.prefix_hit_tokens)
+        yield CounterMetricFamily(p + "steps", "Engine steps", value=s.num_steps)
+        yield CounterMetricFamily(p + "generated_tokens", "Tokens generated", value=s.num_generated_tokens)
+        yield CounterMetricFamily(p + "preemptions", "Sequences preempted", value=s.num_preemptions)
+
+
+COLLECTOR = EngineCollector()
+REGISTRY.register(COLLECTOR)
 
 _FINISH = {
     "stop": common_pb2.FINISH_REASON_STOP,
@@ -60,36 +102,45 @@ def from_pb(request: inference_pb2.InferenceRequest, deadline: float | None) -> 
 
 
 def to_pb(request_id: str, event: TokenEvent) -> inference_pb2.InferenceResponse:
-    """domain -> pb; the counters go on the last message only."""
-    response = inference_pb2.InferenceResponse(request_id=request_id, token_ids=event.token_ids)
-    if event.finish_reason is not None:
-        response.finish_reason = _FINISH[event.finish_reason]
-        response.prompt_tokens = event.prompt_tokens
-        response.completion_tokens = event.completion_tokens
-        response.queue_ms = round(event.queue_ms)
-        response.compute_ms = round(event.compute_ms)
-    return response
+    """domain -> pb; the counters (running totals) go on every message."""
+    return inference_pb2.InferenceResponse(
+        request_id=request_id, token_ids=event.token_ids,
+        finish_reason=_FINISH[event.finish_reason] if event.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED,
+        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+        queue_ms=round(event.queue_ms), compute_ms=round(event.compute_ms), kv_peak_bytes=event.kv_peak_bytes,
+    )
+
+
+def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
+    return inference_pb2.InferenceStats(
+        num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
+        kv_used_bytes=s.kv_used_bytes, kv_free_bytes=s.kv_free_bytes,
+        kv_share_of_rss=s.kv_total_bytes / rss if rss else 0.0, rss_bytes=rss,
+        prefix_lookups=s.prefix_lookups, prefix_hits=s.prefix_hits, prefix_hit_tokens=s.prefix_hit_tokens,
+        num_steps=s.num_steps, num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
+        max_num_seqs=max_num_seqs,
+    )
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """aiserve.v1.Inference over one loaded model and its engine."""
 
-    def __init__(self, engine: Engine, model: LoadedModel) -> None:
+    def __init__(self, engine: BatchEngine, model: ModelInfo) -> None:
         self.engine = engine
         self.model = model
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.InferenceRequest, context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.InferenceResponse]:
-        """Stream the ids of one generation, one message per token; the last one carries
-        finish_reason and the counters. Cancelling the call cancels the generation."""
+        """Stream the ids of one generation, one message per token, each with the running
+        counters; the last one carries finish_reason. Cancelling the call cancels the
+        generation: it leaves the batch at the next step and its KV slot is freed."""
         if request.model and request.model != str(self.model.ref):
             raise NotFound(f"model: {request.model!r} is not loaded here (this is {self.model.ref})")
         remaining_s = context.time_remaining()
         deadline = None if remaining_s is None else time.monotonic() + remaining_s
         domain = from_pb(request, deadline)
         async for event in self.engine.generate(domain):
-            GENERATED_TOKENS.inc(len(event.token_ids))
             yield to_pb(domain.request_id, event)
 
     async def Info(  # noqa: N802 - gRPC method name
@@ -98,13 +149,19 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """What is loaded: model, tokenizer fingerprint, device, dtype, context and vocab sizes."""
         m = self.model
         return inference_pb2.InferenceInfo(
-            model=str(m.ref), tokenizer_sha256=m.tokenizer_sha256, device=m.device_name,
-            dtype=m.dtype_name, context_length=m.context_length, vocab_size=m.vocab_size,
+            model=str(m.ref), tokenizer_sha256=m.tokenizer_sha256, device=m.device,
+            dtype=m.dtype, context_length=m.context_length, vocab_size=m.vocab_size,
             eos_token_ids=sorted(m.eos_token_ids),
         )
 
+    async def Stats(  # noqa: N802 - gRPC method name
+        self, request: inference_pb2.InferenceStatsRequest, context: aio.ServicerContext
+    ) -> inference_pb2.InferenceStats:
+        """A snapshot of the engine (batch, queue, KV, prefix reuse, totals); no model work."""
+        return stats_to_pb(self.engine.stats(), self.engine.scheduler.capacity, rss_bytes())
 
-async def warm_up(engine: Engine) -> None:
+
+async def warm_up(engine: BatchEngine) -> None:
     """One short generation, so the first real request pays no first-call costs."""
     request = GenerateRequest(request_id="warm-up", prompt_token_ids=(0,), max_new_tokens=2,
                               ignore_eos=True)
@@ -112,12 +169,23 @@ async def warm_up(engine: Engine) -> None:
         pass
 
 
+def build_engine(config: InferenceConfig, folder: Path) -> BatchEngine:
+    """Load the (verified) model folder and build the engine the settings describe."""
+    dtype = TORCH_DTYPES[config.dtype]
+    matmul = None if config.matmul_dtype == "auto" else TORCH_DTYPES[config.matmul_dtype]
+    model = LlamaModel.load(folder, config.device, dtype, matmul)
+    return BatchEngine(model, eos_token_ids(folder), config.scheduler_config(), config.kv_cache_config(),
+                       config.max_new_tokens_limit)
+
+
 async def create_server(config: InferenceConfig) -> ServiceHandle:
     """Verify and load the model, start and warm up the engine, and build the (unstarted)
     server. ModelStoreError propagates (missing or tampered model)."""
     folder, manifest = ModelStore(config.model_store_path()).load_path(ModelRef.parse(config.model))
-    model = await asyncio.to_thread(load_model, folder, manifest, config.device, config.dtype)
-    engine = Engine(model, config.max_queue, config.max_new_tokens_limit)
+    engine = await asyncio.to_thread(build_engine, config, folder)
+    c = engine.model.config
+    model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), config.dtype,
+                      engine.scheduler.slot_len, c.vocab_size, engine.eos_ids)
     engine.start()
     try:
         await warm_up(engine)
@@ -127,29 +195,22 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
         raise
     inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, model), handle.server)
     handle.on_close.append(engine.stop)
-    QUEUE_LENGTH.set_function(lambda: engine.num_waiting)
-    log.info("model_loaded", model=str(model.ref), device=model.device_name, dtype=model.dtype_name)
+    COLLECTOR.engine = engine
+    if engine.scheduler.capacity < config.max_num_seqs:
+        log.warning("kv_cache_caps_batch", max_num_seqs=config.max_num_seqs, kv_slots=engine.scheduler.capacity,
+                    kv_cache_bytes=config.kv_cache_bytes, max_seq_len=engine.scheduler.slot_len)
+    log.info("model_loaded", model=str(model.ref), device=model.device, dtype=model.dtype,
+             matmul_dtype=str(engine.model.matmul_dtype).removeprefix("torch."),
+             max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,
+             kv_cache_bytes=engine.cache.total_bytes)
     return handle
 
 
-async def _run(config: InferenceConfig) -> None:
-    handle = await create_server(config)
-    await serve(handle, config.grace_s)
+def _set_threads(config: InferenceConfig) -> None:
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point: settings, logging, torch threads, metrics, then serve until SIGTERM."""
-    try:
-        config = load_config(InferenceConfig, "inference", sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        print(f"aiserve-inference: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging("inference", config.log_level)
-    if config.torch_threads:
-        torch.set_num_threads(config.torch_threads)
-    start_metrics(config.metrics_port)
-    try:
-        asyncio.run(_run(config))
-    except ModelStoreError as exc:
-        print(f"aiserve-inference: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
+    """Run the inference service until SIGTERM/SIGINT. Exit code 2 on bad settings or model."""
+    run_service("inference", InferenceConfig, create_server, argv, prepare=_set_threads)

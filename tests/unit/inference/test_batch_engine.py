@@ -12,9 +12,9 @@ import torch
 
 from aiserve.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from services.inference.batch_engine import BatchEngine
-from services.inference.engine import GenerateRequest, TokenEvent
 from services.inference.kv_cache import KVCacheConfig
 from services.inference.llama import LlamaModel
+from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
 from services.inference.scheduler import SchedulerConfig
 

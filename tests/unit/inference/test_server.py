@@ -19,13 +19,16 @@ from services.inference.server import create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT_S = 60.0
+MAX_SEQ_LEN = 4096
 PROMPT = [1, 9690, 198, 19556, 30, 2, 198, 1, 520, 9531, 198]  # system 'Hello.', then the assistant's turn
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def channel(store: ModelStore) -> AsyncIterator[aio.Channel]:
     torch.set_num_threads(2)
-    config = InferenceConfig(port=0, metrics_port=0, dtype="float32", model_store=str(store.root))
+    # one sequence at a time, so a second request queues (the deadline test below)
+    config = InferenceConfig(port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
+                             max_num_seqs=1, kv_cache_bytes=256 << 20, max_seq_len=MAX_SEQ_LEN)
     handle = await create_server(config)
     try:
         await handle.start()
@@ -54,6 +57,22 @@ async def test_generate_streams_ids_then_a_final_message(channel: aio.Channel) -
     assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert (last.prompt_tokens, last.completion_tokens) == (len(PROMPT), 5)
     assert last.compute_ms > 0
+    # the counters are running totals on every message (a caller that stops early keeps them)
+    assert [m.completion_tokens for m in messages] == [1, 2, 3, 4, 5]
+    assert all(m.prompt_tokens == len(PROMPT) for m in messages)
+    assert 0 < messages[0].kv_peak_bytes < last.kv_peak_bytes
+
+
+async def test_stats_reports_the_engine(channel: aio.Channel) -> None:
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    before = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
+    _ = [m async for m in stub.Generate(generate_request(3), timeout=TIMEOUT_S)]
+    after = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
+    assert after.num_generated_tokens - before.num_generated_tokens == 3
+    assert after.num_steps > before.num_steps and after.prefix_lookups > before.prefix_lookups
+    assert (after.num_running, after.num_waiting, after.max_num_seqs) == (0, 0, 1)
+    assert after.kv_total_bytes == after.kv_used_bytes + after.kv_free_bytes > 0
+    assert 0 < after.kv_share_of_rss < 1 and after.rss_bytes > after.kv_total_bytes
 
 
 async def test_request_id_defaults_to_the_metadata_one(channel: aio.Channel) -> None:
@@ -69,7 +88,8 @@ async def test_info_reports_what_is_loaded(channel: aio.Channel, manifest: Manif
     assert info.model == str(manifest.ref)
     assert info.tokenizer_sha256 == manifest.tokenizer_sha256
     assert (info.device, info.dtype) == ("cpu", "float32")
-    assert (info.context_length, info.vocab_size, list(info.eos_token_ids)) == (8192, 49152, [2])
+    # what this engine accepts: min(model context 8192, max_seq_len)
+    assert (info.context_length, info.vocab_size, list(info.eos_token_ids)) == (MAX_SEQ_LEN, 49152, [2])
 
 
 async def test_another_model_is_not_found(channel: aio.Channel) -> None:

@@ -1,4 +1,6 @@
-"""The engine on the real model (float32): exactness, stop conditions, queueing, cancellation."""
+"""A request's life in the batching engine on the real model (float32), one sequence at a time:
+exactness against Hugging Face, stop conditions, queueing, priority, cancellation, validation.
+(Carried over from the interim one-at-a-time engine; batching itself: test_batch_engine.py.)"""
 
 from __future__ import annotations
 
@@ -11,19 +13,24 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM
 
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
-from aiserve.store import Manifest
-from services.inference.engine import Engine, GenerateRequest, TokenEvent
-from services.inference.model import LoadedModel, load_model
+from services.inference.batch_engine import BatchEngine
+from services.inference.kv_cache import KVCacheConfig
+from services.inference.llama import LlamaModel
+from services.inference.model import eos_token_ids
+from services.inference.request import GenerateRequest, TokenEvent
+from services.inference.scheduler import SchedulerConfig
 
-LONG = 4000  # more tokens than any test waits for: such a request runs until cancelled
+LONG = 400  # more tokens than any test waits for: such a request runs until cancelled
+MAX_SEQ_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir: Path, manifest: Manifest) -> LoadedModel:
+def loaded(model_dir: Path) -> LlamaModel:
     torch.set_num_threads(2)
-    return load_model(model_dir, manifest, "cpu", "float32")
+    return LlamaModel.load(model_dir, "cpu", torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +39,11 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture
-async def engine(loaded: LoadedModel) -> AsyncIterator[Engine]:
-    engine = Engine(loaded, max_queue=2, max_new_tokens_limit=LONG)
+async def engine(loaded: LlamaModel, model_dir: Path) -> AsyncIterator[BatchEngine]:
+    # one slot and no preemption: the one-at-a-time behaviour these tests pin down
+    config = SchedulerConfig(max_num_seqs=1, max_queue_len=2, enable_preemption=False)
+    kv = KVCacheConfig(kv_cache_bytes=32 << 20, max_seq_len=MAX_SEQ_LEN)
+    engine = BatchEngine(loaded, eos_token_ids(model_dir), config, kv, max_new_tokens_limit=LONG)
     engine.start()
     try:
         yield engine
@@ -52,25 +62,28 @@ def chat(tokenizer: Tokenizer, text: str) -> tuple[int, ...]:
     return tuple(tokenizer.encode(rendered).ids)
 
 
-async def collect(engine: Engine, request: GenerateRequest) -> list[TokenEvent]:
+async def collect(engine: BatchEngine, request: GenerateRequest) -> list[TokenEvent]:
     return [event async for event in engine.generate(request)]
 
 
-def test_weights_live_in_ordinary_memory(loaded: LoadedModel, model_dir: Path) -> None:
+def test_weights_live_in_ordinary_memory(loaded: LlamaModel, model_dir: Path) -> None:
     maps = Path("/proc/self/maps")
     if not maps.exists():
         pytest.skip("needs /proc")
     assert str((model_dir / "model.safetensors").resolve()) not in maps.read_text()
-    assert loaded.eos_token_ids == frozenset({2})  # <|im_end|>, from config and tokenizer
-    assert (loaded.context_length, loaded.vocab_size) == (8192, 49152)
+    assert eos_token_ids(model_dir) == frozenset({2})  # <|im_end|>, from config and tokenizer
+    assert (loaded.config.max_position_embeddings, loaded.config.vocab_size) == (8192, 49152)
 
 
-async def test_greedy_matches_transformers_generate(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_greedy_matches_transformers_generate(
+    engine: BatchEngine, tokenizer: Tokenizer, model_dir: Path
+) -> None:
     prompt = chat(tokenizer, "Write a long story about a dragon.")
     events = await collect(engine, make_request("g", prompt, max_new_tokens=24))
     ids = [i for e in events for i in e.token_ids]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True)
     with torch.inference_mode():
-        expected = engine.model.model.generate(  # type: ignore[operator]
+        expected = hf.generate(
             torch.tensor([prompt]), do_sample=False, max_new_tokens=24
         )[0, len(prompt):].tolist()
     assert ids == expected
@@ -81,22 +94,22 @@ async def test_greedy_matches_transformers_generate(engine: Engine, tokenizer: T
     assert last.compute_ms > 0 and last.queue_ms >= 0
 
 
-async def test_max_new_tokens_finishes_with_length(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_max_new_tokens_finishes_with_length(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     events = await collect(engine, make_request("l", chat(tokenizer, "Hi"), max_new_tokens=3))
     assert [e.finish_reason for e in events] == [None, None, "length"]
 
 
-async def test_eos_finishes_with_stop(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_eos_finishes_with_stop(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     prompt = chat(tokenizer, "What is 2+2? Answer with a number only.")
     events = await collect(engine, make_request("e", prompt, max_new_tokens=32))
     assert events[-1].finish_reason == "stop"
-    assert events[-1].token_ids[0] in engine.model.eos_token_ids
+    assert events[-1].token_ids[0] in engine.eos_ids
     # ignore_eos generates past the EOS id to max_new_tokens.
     past_eos = make_request("i", prompt, max_new_tokens=len(events) + 2, ignore_eos=True)
     assert (await collect(engine, past_eos))[-1].finish_reason == "length"
 
 
-async def test_stop_token_ids_finish_with_stop(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_stop_token_ids_finish_with_stop(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     prompt = chat(tokenizer, "Write a long story about a dragon.")
     first_two = [e.token_ids[0] for e in await collect(engine, make_request("a", prompt, 2))]
     stop_at = make_request("s", prompt, max_new_tokens=20, stop_token_ids=frozenset(first_two[1:]))
@@ -105,7 +118,7 @@ async def test_stop_token_ids_finish_with_stop(engine: Engine, tokenizer: Tokeni
     assert events[-1].finish_reason == "stop"
 
 
-async def test_closing_the_stream_frees_the_request(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_closing_the_stream_frees_the_request(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     stream = engine.generate(make_request("c", chat(tokenizer, "Count to a million."), LONG))
     for _ in range(3):
         await anext(stream)
@@ -116,7 +129,7 @@ async def test_closing_the_stream_frees_the_request(engine: Engine, tokenizer: T
 
 
 async def test_cancelling_the_consumer_task_frees_the_request(
-    engine: Engine, tokenizer: Tokenizer
+    engine: BatchEngine, tokenizer: Tokenizer
 ) -> None:
     started = asyncio.Event()
 
@@ -132,7 +145,7 @@ async def test_cancelling_the_consumer_task_frees_the_request(
     assert await engine.wait_idle(timeout_s=10)
 
 
-async def start_long(engine: Engine, tokenizer: Tokenizer) -> AsyncGenerator[TokenEvent, None]:
+async def start_long(engine: BatchEngine, tokenizer: Tokenizer) -> AsyncGenerator[TokenEvent, None]:
     """A request that occupies the model until its stream is closed."""
     stream = engine.generate(make_request("busy", chat(tokenizer, "Tell me everything."), LONG))
     await anext(stream)  # it is running now
@@ -140,7 +153,7 @@ async def start_long(engine: Engine, tokenizer: Tokenizer) -> AsyncGenerator[Tok
 
 
 async def test_deadline_passing_in_the_queue_fails_and_never_runs(
-    engine: Engine, tokenizer: Tokenizer
+    engine: BatchEngine, tokenizer: Tokenizer
 ) -> None:
     busy = await start_long(engine, tokenizer)
     try:
@@ -154,14 +167,14 @@ async def test_deadline_passing_in_the_queue_fails_and_never_runs(
         await busy.aclose()
 
 
-async def test_full_queue_is_resource_exhausted(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_full_queue_is_resource_exhausted(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     busy = await start_long(engine, tokenizer)
     queued = [engine.generate(make_request(f"q{i}", (1, 2), 1)) for i in range(2)]
     tasks: list[asyncio.Task[TokenEvent]] = [asyncio.create_task(anext(q)) for q in queued]
     try:
         await asyncio.sleep(0)  # one loop turn: each task's first anext enqueues synchronously
         assert engine.num_waiting == 2  # max_queue
-        with pytest.raises(ResourceExhausted, match="max_queue"):
+        with pytest.raises(ResourceExhausted, match="max_queue_len"):
             await collect(engine, make_request("over", (1, 2), 1))
     finally:
         for task in tasks:
@@ -171,7 +184,7 @@ async def test_full_queue_is_resource_exhausted(engine: Engine, tokenizer: Token
     assert await engine.wait_idle(timeout_s=10)
 
 
-async def test_higher_priority_runs_first(engine: Engine, tokenizer: Tokenizer) -> None:
+async def test_higher_priority_runs_first(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     busy = await start_long(engine, tokenizer)
     order: list[str] = []
 
@@ -193,18 +206,18 @@ async def test_higher_priority_runs_first(engine: Engine, tokenizer: Tokenizer) 
         ((), 4, "prompt_token_ids: must hold at least 1"),
         ((1, 49152), 4, "outside the vocabulary 0..49151"),
         ((1, -1), 4, "outside the vocabulary"),
-        ((1,) * 8190, 4, "exceeds the context length 8192"),
+        ((1,) * 510, 4, f"exceeds max_seq_len {MAX_SEQ_LEN}"),
         ((1,), 0, "max_new_tokens: must be 1.."),
     ],
 )
 async def test_invalid_requests_name_field_and_limit(
-    engine: Engine, prompt: tuple[int, ...], max_new_tokens: int, field: str
+    engine: BatchEngine, prompt: tuple[int, ...], max_new_tokens: int, field: str
 ) -> None:
     with pytest.raises(InvalidArgument, match=field):
         await collect(engine, make_request("bad", prompt, max_new_tokens))
 
 
-async def test_draining_refuses_new_requests(engine: Engine) -> None:
+async def test_draining_refuses_new_requests(engine: BatchEngine) -> None:
     assert await engine.drain(timeout_s=10)
     with pytest.raises(Unavailable):
         await collect(engine, make_request("d", (1,), 1))
