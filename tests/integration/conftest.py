@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from aiserve.store import ModelStore
 from aiserve.suite import Suite, SuiteConfig
+from services.gateway.ledger import LEDGER_FILE, Ledger, UsageRow
+from services.gateway.tenants import KEYS_FILE, KeyStore, Tenant
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +22,26 @@ def suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterat
     config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
     # float32: greedy answers are then reproducible across batch compositions (source §7.2).
     config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+    config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = str(SUITE_MAX_NUM_SEQS)
+    yield from _run_suite(config)
+
+
+SUITE_MAX_NUM_SEQS = 32
+"""The suite's batch: 32 float32 slots of 2048 tokens fit the default 3 GiB KV cache."""
+
+
+@pytest.fixture(scope="module")
+def small_batch_suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterator[Suite]:
+    """A second suite whose engine runs at most 2 sequences at once, so a queue forms (priority)."""
+    config = SuiteConfig.for_tests(tmp_path_factory.mktemp("aiserve-small"))
+    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
+    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+    config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = "2"
+    config.extra_env["AISERVE_INFERENCE_KV_CACHE_BYTES"] = str(256 << 20)
+    yield from _run_suite(config)
+
+
+def _run_suite(config: SuiteConfig) -> Iterator[Suite]:
     suite = Suite(config)
     try:
         asyncio.run(suite.start(timeout_s=300))
@@ -40,3 +62,45 @@ def log_records(suite: Suite, service: str) -> list[dict[str, object]]:
         if line.startswith("{"):
             records.append(json.loads(line))
     return records
+
+
+def dev_key(suite: Suite) -> str:
+    """The development tenant's key that starting the suite wrote to $AISERVE_HOME/dev.key."""
+    return suite.dev_key_path.read_text().strip()
+
+
+def auth(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def create_tenant(home: Path, prefix: str, tier: str = "free", **limits: int) -> tuple[str, str]:
+    """A new tenant (unique name) with one key, in a suite's key store: (tenant, key).
+
+    The gateway reads the store on every call, so a key works as soon as this returns."""
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    store = KeyStore(home / KEYS_FILE)
+    try:
+        store.put_tenant(Tenant(name, tier, **limits))  # type: ignore[arg-type]
+        return name, store.create_key(name)[1]
+    finally:
+        store.close()
+
+
+def ledger_rows(home: Path, tenant: str | None = None) -> list[UsageRow]:
+    """The committed usage rows, read straight from the suite's SQLite ledger."""
+    ledger = Ledger(home / LEDGER_FILE)
+    try:
+        return ledger.rows(tenant)
+    finally:
+        ledger.close()
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 30, what: str = "condition") -> None:
+    """Wait until ``condition()`` holds (a row or log line another process writes), checking every
+    50 ms up to ``timeout_s``: for effects no event announces to the test (e.g. a server noticing
+    a client's cancel)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"{what} did not happen within {timeout_s:.0f}s")
+        await asyncio.sleep(0.05)

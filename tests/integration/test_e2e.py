@@ -7,7 +7,7 @@ from grpc import aio
 
 from aiserve.suite import Suite
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from tests.integration.conftest import log_records, new_request_id
+from tests.integration.conftest import auth, dev_key, log_records, new_request_id
 
 TIMEOUT_S = 120
 
@@ -22,18 +22,22 @@ def chat_request(text: str, max_new_tokens: int = 32, **kwargs: object) -> gatew
 
 
 async def stream(
-    suite: Suite, request: gateway_pb2.GenerateRequest, request_id: str | None = None
+    suite: Suite, request: gateway_pb2.GenerateRequest, request_id: str | None = None, key: str | None = None
 ) -> tuple[list[gateway_pb2.GenerateResponse], dict[str, str]]:
-    metadata = (("x-request-id", request_id),) if request_id else ()
+    """Generate as a client would, with ``key`` (default: the suite's development key)."""
+    metadata = auth(key or dev_key(suite)) + ((("x-request-id", request_id),) if request_id else ())
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(request, timeout=TIMEOUT_S, metadata=metadata)
         messages = [message async for message in call]
         return messages, dict(await call.initial_metadata())
 
 
-async def complete(suite: Suite, request: gateway_pb2.GenerateRequest) -> gateway_pb2.CompleteResponse:
+async def complete(
+    suite: Suite, request: gateway_pb2.GenerateRequest, key: str | None = None, request_id: str | None = None
+) -> gateway_pb2.CompleteResponse:
+    metadata = auth(key or dev_key(suite)) + ((("x-request-id", request_id),) if request_id else ())
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
-        return await gateway_pb2_grpc.GatewayStub(channel).Complete(request, timeout=TIMEOUT_S)
+        return await gateway_pb2_grpc.GatewayStub(channel).Complete(request, metadata=metadata, timeout=TIMEOUT_S)
 
 
 async def test_greedy_chat_answer_mentions_paris(suite: Suite) -> None:
@@ -96,7 +100,8 @@ async def test_stop_string_ends_the_answer_without_returning_it(suite: Suite) ->
 async def test_count_tokens(suite: Suite) -> None:
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         reply = await gateway_pb2_grpc.GatewayStub(channel).CountTokens(
-            common_pb2.CountTokensRequest(prompt="Hello world"), timeout=TIMEOUT_S
+            common_pb2.CountTokensRequest(prompt="Hello world"), metadata=auth(dev_key(suite)), timeout=TIMEOUT_S
         )
-    assert reply.token_count == 2 and reply.context_length == 8192
+    # what the engine accepts: min(model context 8192, inference max_seq_len 2048)
+    assert reply.token_count == 2 and reply.context_length == 2048
     assert reply.model == "smollm2-135m-instruct@0.1.2" and reply.request_id

@@ -18,13 +18,14 @@ from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_server
+from tests.integration.conftest import auth, dev_key
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, complete
 
 
-async def expect_code(address: str, request: gateway_pb2.GenerateRequest, code: grpc.StatusCode) -> str:
+async def expect_code(address: str, request: gateway_pb2.GenerateRequest, code: grpc.StatusCode, key: str) -> str:
     async with aio.insecure_channel(address) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            await gateway_pb2_grpc.GatewayStub(channel).Complete(request, timeout=TIMEOUT_S)
+            await gateway_pb2_grpc.GatewayStub(channel).Complete(request, metadata=auth(key), timeout=TIMEOUT_S)
     assert info.value.code() == code, info.value.details()
     return info.value.details()
 
@@ -58,25 +59,33 @@ def _bad(**sampling: object) -> gateway_pb2.GenerateRequest:
     ],
 )
 async def test_invalid_argument_names_the_field(suite: Suite, request_factory: object, needle: str) -> None:
-    details = await expect_code(suite.config.address("gateway"), request_factory(), grpc.StatusCode.INVALID_ARGUMENT)  # type: ignore[operator]
+    details = await expect_code(
+        suite.config.address("gateway"),
+        request_factory(),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        dev_key(suite),  # type: ignore[operator]
+    )
     assert needle in details
 
 
 async def test_prompt_over_the_context_is_refused_or_truncated_when_asked(suite: Suite) -> None:
-    long_prompt = "word " * 9000  # ~9,000 tokens > the 8,192-token context
+    long_prompt = "word " * 9000  # ~9,000 tokens > the served context (min(model 8192, max_seq_len 2048))
     request = gateway_pb2.GenerateRequest(prompt=long_prompt, sampling=common_pb2.SamplingParams(max_new_tokens=2))
-    details = await expect_code(suite.config.address("gateway"), request, grpc.StatusCode.INVALID_ARGUMENT)
-    assert "prompt" in details and "8192" in details
+    details = await expect_code(
+        suite.config.address("gateway"), request, grpc.StatusCode.INVALID_ARGUMENT, dev_key(suite)
+    )
+    assert "prompt" in details and "2048" in details
     request.truncation = gateway_pb2.TRUNCATION_LEFT
     request.cache = gateway_pb2.CACHE_POLICY_BYPASS
     reply = await complete(suite, request)
-    assert reply.usage.prompt_tokens == 8190 and reply.usage.completion_tokens > 0
+    assert reply.usage.prompt_tokens == 2046 and reply.usage.completion_tokens > 0
     await still_serving(suite)
 
 
 async def test_unknown_model_is_not_found(suite: Suite) -> None:
     request = chat_request("hello", model="nope@1")
-    assert "nope@1" in await expect_code(suite.config.address("gateway"), request, grpc.StatusCode.NOT_FOUND)
+    details = await expect_code(suite.config.address("gateway"), request, grpc.StatusCode.NOT_FOUND, dev_key(suite))
+    assert "nope@1" in details
     await still_serving(suite)
 
 
@@ -116,19 +125,21 @@ async def other_tokenizer(tmp_path: Path, store: ModelStore, model_ref: ModelRef
         side.stop()
 
 
-async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_tokenizer: str) -> None:
+async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_tokenizer: str, tmp_path: Path) -> None:
     config = GatewayConfig(
         port=0,
         metrics_port=0,
         tokenizer_address=other_tokenizer,
         inference_address=suite.config.address("inference"),
         cache_address="",
+        keys_path=str(suite.config.home / "keys.sqlite3"),  # the suite's keys: its dev key works here too
+        ledger_path=str(tmp_path / "ledger.sqlite3"),
     )
     handle = await create_server(config)
     await handle.start()
     try:
         details = await expect_code(
-            f"127.0.0.1:{handle.port}", chat_request("hello"), grpc.StatusCode.FAILED_PRECONDITION
+            f"127.0.0.1:{handle.port}", chat_request("hello"), grpc.StatusCode.FAILED_PRECONDITION, dev_key(suite)
         )
         assert "tokenizer sha256" in details
     finally:
@@ -160,7 +171,9 @@ async def test_inference_down_is_unavailable_and_the_suite_recovers(suite: Suite
     suite.stop_service("inference")
     try:
         request = chat_request("hello", cache=gateway_pb2.CACHE_POLICY_BYPASS)
-        details = await expect_code(suite.config.address("gateway"), request, grpc.StatusCode.UNAVAILABLE)
+        details = await expect_code(
+            suite.config.address("gateway"), request, grpc.StatusCode.UNAVAILABLE, dev_key(suite)
+        )
         assert "unavailable" in details or "did not answer" in details
         await wait_for_serving(suite.config.address("gateway"), 10)  # the gateway itself stays up
     finally:

@@ -52,7 +52,7 @@ def test_chat_cli_streams_and_reports_request_id_tokens_and_timings(suite: Suite
         capture_output=True,
         text=True,
         timeout=180,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "AISERVE_HOME": str(suite.config.home)},  # reads its dev.key
     )
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
