@@ -20,6 +20,7 @@ from services.gateway.backends import Backends, RouteInfo, downstream_error
 from services.gateway.cache_client import CacheKey, StoreStream, cache_key, replay
 from services.gateway.cache_client import lookup as cache_lookup
 from services.gateway.config import GatewayConfig
+from services.gateway.pricing import PriceTable
 from services.gateway.stops import StopMatcher
 from services.gateway.validation import Sampling, fit_prompt
 
@@ -94,10 +95,10 @@ class _Prompt:
 class Pipeline:
     """Runs requests against the backends."""
 
-    def __init__(self, config: GatewayConfig, backends: Backends) -> None:
+    def __init__(self, config: GatewayConfig, backends: Backends, prices: PriceTable) -> None:
         self.config = config
         self.backends = backends
-        self.prices = config.price_table()
+        self.prices = prices  # the one table accounting reserves with, so cost and reservation agree
 
     async def generate(
         self, req: GatewayRequest, timeout_s: float | None, admit: Callable[[int, str], None] | None = None
@@ -144,9 +145,8 @@ class Pipeline:
                         store.add(delta, ids)
                     yield Chunk(delta, ids)
                 final_pb = last or final_pb
+            # No finish reason on the last message read: a stop string ended it (we cancelled).
             finish = _FINISH_FROM_PB.get(final_pb.finish_reason, "stop") if final_pb else "stop"
-            if final_pb is None and token_ids:
-                finish = "stop"  # ended by a stop string: we cancelled the generation ourselves
             usage = self._usage(
                 len(prompt.token_ids), len(token_ids), route.model,
                 final_pb.queue_ms if final_pb else 0, ttft_ms or _ms_since(started), _ms_since(started),

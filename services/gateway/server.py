@@ -223,7 +223,7 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
                         config.host, config.port)
     backends = Backends(config)
     accounting = Accounting.open(config)
-    servicer = GatewayServicer(config, Pipeline(config, backends), accounting)
+    servicer = GatewayServicer(config, Pipeline(config, backends, accounting.prices), accounting)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     handle.on_close.append(backends.close)
     handle.on_close.append(accounting.close)
