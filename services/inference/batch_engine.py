@@ -24,10 +24,11 @@ from aiserve.common.logging import get_logger
 from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.model import eos_token_ids
+from services.inference.prefix_index import PrefixIndex
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
-from services.inference.scheduler import PrefixIndex, Scheduler, SchedulerConfig, SchedulerOutput, Seq
+from services.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Seq
 
 log = get_logger("batch_engine")
 

@@ -9,7 +9,7 @@ the scheduler admits a request only into a free slot and otherwise keeps it wait
   per-step gather or copy of the cache.
 - Prefix store ``pk, pv: [layers, blocks, kv_heads, block_size, head_dim]``: K/V of
   block-aligned prompt prefixes (a shared system prompt), copied into a new sequence's slot
-  at admission instead of being recomputed. ``scheduler.PrefixIndex`` says what is where.
+  at admission instead of being recomputed. ``prefix_index.PrefixIndex`` says what is where.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from aiserve.common.config import require
-from services.inference.scheduler import BlockCopy, SlotMove
+from services.inference.prefix_index import BlockCopy
+from services.inference.scheduler import SlotMove
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,8 @@ import torch
 
 from aiserve.common.config import ConfigError
 from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
-from services.inference.scheduler import BlockCopy, SlotMove
+from services.inference.prefix_index import BlockCopy
+from services.inference.scheduler import SlotMove
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32)
 CPU = torch.device("cpu")

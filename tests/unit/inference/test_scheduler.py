@@ -10,8 +10,8 @@ import pytest
 
 from aiserve.common.config import ConfigError
 from aiserve.common.errors import ResourceExhausted
+from services.inference.prefix_index import PrefixIndex
 from services.inference.scheduler import (
-    PrefixIndex,
     Scheduler,
     SchedulerConfig,
     SchedulerOutput,
