@@ -42,6 +42,7 @@ from services.inference.llama import LlamaModel
 from services.inference.model import eos_token_ids
 from services.inference.request import GenerateRequest
 from services.inference.scheduler import SchedulerConfig
+from services.inference.torch_thread import run_in_fresh_thread
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOPICS = ["rivers", "mountains", "the ocean", "volcanoes", "forests", "deserts", "the moon", "glaciers",
@@ -71,12 +72,19 @@ def useful(row: Sequence[int], eos: frozenset[int], limit: int) -> int:
 # --- Hugging Face baselines ------------------------------------------------------------------
 
 class HF:
+    """transformers' ``generate``, loaded and run on fresh threads like our engine's torch work
+    (services/inference/torch_thread.py), so neither side pays for the other's thread pools."""
+
     def __init__(self, folder: Path, eos: frozenset[int]) -> None:
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, local_files_only=True).eval()
+        self.model = run_in_fresh_thread(lambda: AutoModelForCausalLM.from_pretrained(
+            folder, dtype=torch.bfloat16, local_files_only=True).eval())
         self.eos, self.pad = eos, min(eos)
 
     def generate(self, batch: Sequence[Sequence[int]], max_new: int) -> tuple[float, list[list[int]]]:
         """One static batch (left-padded); returns seconds and each row's new ids."""
+        return run_in_fresh_thread(lambda: self._generate(batch, max_new))
+
+    def _generate(self, batch: Sequence[Sequence[int]], max_new: int) -> tuple[float, list[list[int]]]:
         width = max(len(p) for p in batch)
         ids = torch.tensor([[self.pad] * (width - len(p)) + list(p) for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
@@ -200,8 +208,8 @@ class Served:
 async def sweep_one(model: LlamaModel, eos: frozenset[int], size: int, prompt_ids: Sequence[list[int]],
                     new_tokens: int) -> dict[str, Any]:
     config = SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=max(512, size), max_queue_len=4096)
-    engine = BatchEngine(model, eos, config, KVCacheConfig(kv_cache_bytes=size * 256 * 23040 + (64 << 20),
-                                                           max_seq_len=256, prefix_cache_fraction=0.0))
+    kv = KVCacheConfig(kv_cache_bytes=size * 256 * 23040 + (64 << 20), max_seq_len=256, prefix_cache_fraction=0.0)
+    engine = run_in_fresh_thread(lambda: BatchEngine(model, eos, config, kv))  # the cache is zero-filled there
     engine.start()
     n = max(8, 2 * size) if size <= 64 else size
     try:
@@ -297,7 +305,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     del hf
 
     print("sweep ...", flush=True)
-    model = LlamaModel.load(folder, "cpu", torch.bfloat16)
+    model = run_in_fresh_thread(lambda: LlamaModel.load(folder, "cpu", torch.bfloat16))
     points = [await sweep_one(model, eos, size, ids, args.sweep_tokens) for size in args.sweep]
     report["d_sweep"] = {"new_tokens": args.sweep_tokens, "ignore_eos": True, "points": points, "knee": knee(points)}
     del model

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
 from services.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Seq
+from services.inference.torch_thread import adopt_thread_count
 
 log = get_logger("batch_engine")
 
@@ -77,6 +78,27 @@ class _Record:
         return TokenEvent(token_ids, reason, seq.num_prompt_tokens,  # type: ignore[arg-type]
                           seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000,
                           self.peak_tokens * self.bytes_per_token)
+
+
+def _post_all(posts: Sequence[tuple[_Record, TokenEvent]]) -> None:
+    """Hand a step's events to their loops with one wake-up per loop, not one per event.
+
+    Waking the event loop 64 times per step made it compete with the next forward for the GIL
+    and the cores (a decode step of 64 ran ~40% slower than the same forward alone).
+    """
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Record, TokenEvent]]] = {}
+    for record, event in posts:
+        by_loop.setdefault(record.loop, []).append((record, event))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the callers' loop is closed: nobody listens any more
+            pass
+
+
+def _deliver(items: Sequence[tuple[_Record, TokenEvent]]) -> None:
+    for record, event in items:
+        record.events.put_nowait(event)
 
 
 class BatchEngine:
@@ -233,6 +255,7 @@ class BatchEngine:
     # --- worker thread ------------------------------------------------------------------------
 
     def _work(self) -> None:
+        adopt_thread_count()
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
@@ -273,6 +296,7 @@ class BatchEngine:
             self._fail(failed, exc)
             return
         elapsed_s = time.perf_counter() - started
+        posts: list[tuple[_Record, TokenEvent]] = []
         with self._lock:
             grown = self.scheduler.update(output, sampled)
             self._num_steps += 1
@@ -282,10 +306,11 @@ class BatchEngine:
                     record.compute_s += elapsed_s
             for seq in grown:
                 record = self._records[seq]
-                record.post(record.event((seq.token_ids[-1],), seq.finish_reason))
+                posts.append((record, record.event((seq.token_ids[-1],), seq.finish_reason)))
                 if seq.is_finished:
                     del self._records[seq]
             self._lock.notify_all()
+        _post_all(posts)
 
     def _finish_early(self, seq: Seq) -> None:
         """Report a sequence that ended outside a forward (lock held)."""

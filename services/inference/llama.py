@@ -36,6 +36,7 @@ _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
 _WIDE_MIN_ROWS = 4
 _WIDE_MIN_LOGIT_ROWS = 8
+_PACK_BATCH_HINT = 64  # oneDNN's layout hint; any row count runs on the packed weight
 
 
 def default_matmul_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -147,19 +148,53 @@ class ForwardBatch:
     spans: tuple[PrefillSpan, ...]
 
 
+def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` [out, in] reordered once into oneDNN's blocked layout, or None where that is not
+    available or not exact (only bf16 on a CPU with bf16 instructions is packed).
+
+    ``F.linear`` on a bf16 CPU tensor runs the same oneDNN kernel but reorders the weight on
+    every call; packed, a decode step's products run 1.3-2.8x faster (1 to 64 rows, measured
+    on the 2-core VM) with bit-identical results, which ``_packing_is_exact`` checks at load.
+    """
+    if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w, _PACK_BATCH_HINT)
+    except (RuntimeError, AttributeError):  # a torch build without these oneDNN ops
+        return None
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, b, "none", [], "")
+
+
+def _packing_is_exact(w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor) -> bool:
+    """The packed product equals ``F.linear`` bit for bit on a few row counts."""
+    g = torch.Generator().manual_seed(0)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, w.shape[1], generator=g).to(w.dtype)
+        if not torch.equal(_packed_linear(x, packed, b), F.linear(x, w, b)):
+            return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class _Linear:
     """``x @ w.T + b`` with ``w`` [out, in] in the model dtype, plus the float32 copies
-    ``w_wide``/``b_wide`` when the model has a wider matmul dtype (None otherwise)."""
+    ``w_wide``/``b_wide`` when the model has a wider matmul dtype (None otherwise), and
+    ``packed``, ``w`` in oneDNN's layout, where ``pack_weight`` gives one."""
 
     w: torch.Tensor
     b: torch.Tensor | None = None
     w_wide: torch.Tensor | None = None
     b_wide: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
         if wide and self.w_wide is not None:
             return F.linear(x.to(self.w_wide.dtype), self.w_wide, self.b_wide).to(x.dtype)
+        if self.packed is not None:
+            return _packed_linear(x, self.packed, self.b)
         return F.linear(x, self.w, self.b)
 
 
@@ -189,9 +224,19 @@ class LlamaModel:
     """Weights in ordinary memory on ``device`` in ``dtype``, and the batched forward."""
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, matmul_dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.matmul_dtype = matmul_dtype or dtype
+        # Packing applies to products in the model dtype only (not the float32 copies).
+        self.packed_weights = pack_weights and self.matmul_dtype == dtype
+
+        def packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+            if not self.packed_weights:
+                return None
+            if (p := pack_weight(w)) is None or not _packing_is_exact(w, b, p):
+                self.packed_weights = False
+                return None
+            return p
 
         def get(*names: str) -> torch.Tensor | None:
             """The named tensors, concatenated, on the device in ``dtype`` (None if absent)."""
@@ -206,7 +251,7 @@ class LlamaModel:
                 raise ValueError(f"weights: {names[0]}.weight is missing")
             b = get(*[n + ".bias" for n in names]) if bias else None
             if self.matmul_dtype == dtype:
-                return _Linear(w, b)
+                return _Linear(w, b, packed=packed(w, b))
             return _Linear(w, b, w.to(self.matmul_dtype), None if b is None else b.to(self.matmul_dtype))
 
         def vector(name: str) -> torch.Tensor:
@@ -217,7 +262,9 @@ class LlamaModel:
         self.embed = vector("model.embed_tokens.weight")  # [V, hidden]
         if config.tie_word_embeddings or "lm_head.weight" not in weights:
             wide = None if self.matmul_dtype == dtype else self.embed.to(self.matmul_dtype)
-            self.lm_head = _Linear(self.embed, None, wide)  # [V, hidden], shares the embedding
+            # [V, hidden], shares the embedding (a packed copy is the layout's own buffer)
+            self.lm_head = _Linear(self.embed, None, wide,
+                                   packed=None if wide is not None else packed(self.embed, None))
         else:
             self.lm_head = linear(["lm_head"], bias=False)
         self.norm = vector("model.norm.weight")
@@ -238,16 +285,18 @@ class LlamaModel:
 
     @classmethod
     def load(cls, folder: Path, device: torch.device | str, dtype: torch.dtype,
-             matmul_dtype: torch.dtype | None = None) -> LlamaModel:
+             matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
-        ``matmul_dtype`` None = ``default_matmul_dtype(device, dtype)``."""
+        ``matmul_dtype`` None = ``default_matmul_dtype(device, dtype)``; ``pack_weights``: keep
+        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows."""
         config = LlamaConfig.from_dict(json.loads((folder / "config.json").read_text()))
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(folder.glob("*.safetensors")):
             with safe_open(path, framework="pt", device="cpu") as f:
                 weights.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
         device = torch.device(device)
-        return cls(config, weights, device, dtype, matmul_dtype or default_matmul_dtype(device, dtype))
+        return cls(config, weights, device, dtype, matmul_dtype or default_matmul_dtype(device, dtype),
+                   pack_weights)
 
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Write the step's K/V into the cache and return logits [R, V] of ``batch.logits_rows``.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -26,6 +25,7 @@ from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES, ModelInfo, eos_token_ids
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
+from services.inference.torch_thread import in_fresh_thread
 
 log = get_logger("inference")
 
@@ -182,7 +182,8 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     """Verify and load the model, start and warm up the engine, and build the (unstarted)
     server. ModelStoreError propagates (missing or tampered model)."""
     folder, manifest = ModelStore(config.model_store_path()).load_path(ModelRef.parse(config.model))
-    engine = await asyncio.to_thread(build_engine, config, folder)
+    # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
+    engine = await in_fresh_thread(lambda: build_engine(config, folder), name="model-load")
     c = engine.model.config
     model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), config.dtype,
                       engine.scheduler.slot_len, c.vocab_size, engine.eos_ids)

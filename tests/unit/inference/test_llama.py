@@ -152,3 +152,17 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     with pytest.raises(ValueError, match="model_type"):
         LlamaModel.load(tmp_path, CPU, torch.float32)
+
+
+def test_packed_weights_give_the_same_logits(model_dir: Path) -> None:
+    """oneDNN-packed bf16 weights change the speed only: logits equal F.linear's bit for bit."""
+    if default_matmul_dtype(CPU, torch.bfloat16) != torch.bfloat16:
+        pytest.skip("this CPU has no bf16 units: bf16 models use float32 copies, which are not packed")
+    packed = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16)
+    plain = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16, pack_weights=False)
+    assert packed.packed_weights and packed.layers[0].qkv.packed is not None
+    assert packed.lm_head.packed is not None
+    assert not plain.packed_weights and plain.layers[0].qkv.packed is None
+    prompts, conts = inputs(packed.config.vocab_size, seed=3)
+    for a, b in zip(our_logits(packed, prompts, conts), our_logits(plain, prompts, conts), strict=True):
+        assert torch.equal(torch.stack(a), torch.stack(b))
