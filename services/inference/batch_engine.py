@@ -63,10 +63,7 @@ class _Record:
     compute_s: float = 0.0
 
     def post(self, item: TokenEvent | BaseException) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody listens any more
-            pass
+        _post_all([(self, item)])
 
     bytes_per_token: int = 0
     peak_tokens: int = 0
@@ -80,13 +77,13 @@ class _Record:
                           self.peak_tokens * self.bytes_per_token)
 
 
-def _post_all(posts: Sequence[tuple[_Record, TokenEvent]]) -> None:
-    """Hand a step's events to their loops with one wake-up per loop, not one per event.
+_Post = tuple[_Record, TokenEvent | BaseException]
 
-    Waking the event loop 64 times per step made it compete with the next forward for the GIL
-    and the cores (a decode step of 64 ran ~40% slower than the same forward alone).
-    """
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Record, TokenEvent]]] = {}
+
+def _post_all(posts: Sequence[_Post]) -> None:
+    """Hand events to their callers' loops with one wake-up per loop, not one per event, so a
+    step of 64 sequences wakes the asyncio thread once while the next forward runs."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Post]] = {}
     for record, event in posts:
         by_loop.setdefault(record.loop, []).append((record, event))
     for loop, items in by_loop.items():
@@ -96,7 +93,7 @@ def _post_all(posts: Sequence[tuple[_Record, TokenEvent]]) -> None:
             pass
 
 
-def _deliver(items: Sequence[tuple[_Record, TokenEvent]]) -> None:
+def _deliver(items: Sequence[_Post]) -> None:
     for record, event in items:
         record.events.put_nowait(event)
 
@@ -296,7 +293,7 @@ class BatchEngine:
             self._fail(failed, exc)
             return
         elapsed_s = time.perf_counter() - started
-        posts: list[tuple[_Record, TokenEvent]] = []
+        posts: list[_Post] = []
         with self._lock:
             grown = self.scheduler.update(output, sampled)
             self._num_steps += 1

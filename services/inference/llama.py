@@ -227,14 +227,16 @@ class LlamaModel:
                  dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> None:
         self.config, self.device, self.dtype = config, device, dtype
         self.matmul_dtype = matmul_dtype or dtype
-        # Packing applies to products in the model dtype only (not the float32 copies).
-        self.packed_weights = pack_weights and self.matmul_dtype == dtype
+        # Packing applies to products in the model dtype only (not the float32 copies); after
+        # one weight fails to pack exactly, the rest are not tried.
+        can_pack = pack_weights and self.matmul_dtype == dtype
 
         def packed(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-            if not self.packed_weights:
+            nonlocal can_pack
+            if not can_pack:
                 return None
             if (p := pack_weight(w)) is None or not _packing_is_exact(w, b, p):
-                self.packed_weights = False
+                can_pack = False
                 return None
             return p
 
@@ -279,6 +281,9 @@ class LlamaModel:
             )
             for i in range(config.num_layers)
         ]
+        linears = [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        self.packed_weights = all(x.packed is not None for x in linears)
+        """Whether every matmul runs on a oneDNN-packed weight."""
         angles = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
         angles = torch.cat((angles, angles), dim=-1)  # [P, D]
         self._cos, self._sin = angles.cos().to(device), angles.sin().to(device)  # float32
