@@ -56,14 +56,20 @@ def our_logits(model: LlamaModel, prompts: Sequence[list[int]], continuations: S
     return out
 
 
+def position_errors(ours: list[list[torch.Tensor]], ref: list[torch.Tensor],
+                    prompts: Sequence[list[int]]) -> list[float]:
+    """|ours - ref| (largest over the vocabulary) at every compared position, in order."""
+    errors: list[float] = []
+    for i, prompt in enumerate(prompts):
+        expected = ref[i][len(prompt) - 1 : len(prompt) - 1 + len(ours[i])]
+        errors += (torch.stack(ours[i]) - expected).abs().amax(dim=-1).tolist()
+    return errors
+
+
 def compare(ours: list[list[torch.Tensor]], ref: list[torch.Tensor],
             prompts: Sequence[list[int]]) -> float:
     """Largest |ours - ref| over every compared position."""
-    worst = 0.0
-    for i, prompt in enumerate(prompts):
-        expected = ref[i][len(prompt) - 1 : len(prompt) - 1 + len(ours[i])]
-        worst = max(worst, (torch.stack(ours[i]) - expected).abs().max().item())
-    return worst
+    return max(position_errors(ours, ref, prompts))
 
 
 def inputs(vocab: int, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
@@ -79,10 +85,27 @@ def hf_fp32(model_dir: Path) -> PreTrainedModel:
 
 
 def test_float32_logits_match_transformers(model_dir: Path, hf_fp32: PreTrainedModel) -> None:
+    """Position by position, our float32 error against the exact (float64) logits is within a
+    small factor of transformers' own float32 error there.
+
+    A fixed absolute bound does not fit float32: most positions agree with float64 to ~3e-5,
+    while an ill-conditioned one (seed 0, the second token after a one-token prompt) is off by
+    ~6e-4 in transformers itself, and by how much depends on the CPU's kernels (AVX2, AVX-512,
+    AMX block their sums differently). Measured against transformers' error at the same
+    position, the check is tighter where the problem is well conditioned and still fair where
+    it is not.
+    """
+    hf_fp64 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     ours = LlamaModel.load(model_dir, CPU, torch.float32)
-    prompts, conts = inputs(ours.config.vocab_size)
-    ref = hf_logits(hf_fp32, [p + c for p, c in zip(prompts, conts, strict=True)])
-    assert compare(our_logits(ours, prompts, conts), ref, prompts) < 2e-3
+    for seed in (0, 1):
+        prompts, conts = inputs(ours.config.vocab_size, seed)
+        sequences = [p + c for p, c in zip(prompts, conts, strict=True)]
+        exact, ref = hf_logits(hf_fp64, sequences), hf_logits(hf_fp32, sequences)
+        got = our_logits(ours, prompts, conts)
+        hf_at_ours = [list(ref[i][len(p) - 1 : len(p) - 1 + len(got[i])]) for i, p in enumerate(prompts)]
+        ours_err, hf_err = position_errors(got, exact, prompts), position_errors(hf_at_ours, exact, prompts)
+        worst = max(o - 4 * h for o, h in zip(ours_err, hf_err, strict=True))
+        assert worst < 2e-5, f"seed {seed}: {list(zip(ours_err, hf_err, strict=True))}"
 
 
 @pytest.fixture(scope="module")
