@@ -49,16 +49,24 @@ _PASS_THROUGH: dict[grpc.StatusCode, type[ApiError]] = {
 }
 
 
-def downstream_error(service: str, exc: grpc.RpcError) -> ApiError:
-    """A backend's failure as the caller should see it: its own code for a caller's mistake,
-    UNAVAILABLE when the backend cannot be reached; anything else stays a bug (INTERNAL)."""
-    code = exc.code()  # type: ignore[attr-defined]
-    details = exc.details() or code.name  # type: ignore[attr-defined]
+def status_error(service: str, code: grpc.StatusCode, details: str) -> ApiError | RuntimeError:
+    """A backend's status as the caller should see it: its own code for a caller's mistake,
+    UNAVAILABLE when the backend cannot be reached; anything else stays a bug (a RuntimeError,
+    which the server interceptor reports as INTERNAL)."""
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"{service} unavailable: {details}")
     if (kind := _PASS_THROUGH.get(code)) is not None:
         return kind(details)
-    raise RuntimeError(f"{service} failed with {code.name}: {details}") from exc
+    return RuntimeError(f"{service} failed with {code.name}: {details}")
+
+
+def downstream_error(service: str, exc: grpc.RpcError) -> ApiError:
+    """``status_error`` of a failed call; raises the RuntimeError of an unexpected code."""
+    code = exc.code()  # type: ignore[attr-defined]
+    error = status_error(service, code, exc.details() or code.name)  # type: ignore[attr-defined]
+    if isinstance(error, RuntimeError):
+        raise error from exc
+    return error
 
 
 @dataclass(frozen=True, slots=True)

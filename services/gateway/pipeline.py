@@ -12,14 +12,15 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-from grpc import aio
 
+from aiserve.common.errors import Unavailable
 from aiserve.common.logging import get_logger
 from aiserve.v1 import cache_pb2, common_pb2, inference_pb2, tokenizer_pb2
 from services.gateway.backends import Backends, RouteInfo, downstream_error
 from services.gateway.cache_client import CacheKey, StoreStream, cache_key, replay
 from services.gateway.cache_client import lookup as cache_lookup
 from services.gateway.config import GatewayConfig
+from services.gateway.detok_mux import DetokenizeMux
 from services.gateway.pricing import PriceTable
 from services.gateway.stops import StopMatcher
 from services.gateway.validation import Sampling, fit_prompt
@@ -99,6 +100,7 @@ class Pipeline:
         self.config = config
         self.backends = backends
         self.prices = prices  # the one table accounting reserves with, so cost and reservation agree
+        self.detokenizer = DetokenizeMux(backends.tokenizer)  # one call shared by all generations
 
     async def generate(
         self, req: GatewayRequest, timeout_s: float | None, admit: Callable[[int, str], None] | None = None
@@ -224,36 +226,30 @@ class Pipeline:
             ),
             timeout=_remaining_s(deadline),  # the client's deadline becomes the inference deadline
         )
-        detok = self.backends.tokenizer.DetokenizeStream(timeout=_remaining_s(deadline))
+        detok = self.detokenizer.open(req.request_id, skip_special_tokens=True)
         stops = StopMatcher(s.stop)
-        service = "inference"
         try:
-            first = True
             async for message in call:
                 ids = tuple(message.token_ids)
-                service = "tokenizer"
-                await detok.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids, skip_special_tokens=first))
-                first = False
-                delta = (await detok.read()).text_delta  # type: ignore[union-attr]
-                service = "inference"
+                delta = await detok.push(ids, _remaining_s(deadline))
                 text = stops.feed(delta)
                 last = message  # every message carries the running counters (queue, compute, KV)
                 yield text, ids, last
                 if stops.stopped:
                     return
-            service = "tokenizer"
-            await detok.done_writing()
-            tail = await detok.read()
-            text = stops.feed(tail.text_delta if tail is not aio.EOF else "") + stops.flush()  # type: ignore[union-attr]
+            text = stops.feed(await detok.finish(_remaining_s(deadline))) + stops.flush()
             if text:
                 yield text, (), None
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
                 self.backends.forget_route()
-            raise downstream_error(service, exc) from exc
+            raise downstream_error("inference", exc) from exc
+        except Unavailable:  # the tokenizer's detokenizer call broke
+            self.backends.forget_route()
+            raise
         finally:
             call.cancel()
-            detok.cancel()
+            detok.close()
 
     async def _lookup(self, key: CacheKey, min_similarity: float | None) -> cache_pb2.LookupResponse | None:
         assert self.backends.cache is not None

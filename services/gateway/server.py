@@ -223,9 +223,11 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
                         config.host, config.port)
     backends = Backends(config)
     accounting = Accounting.open(config)
-    servicer = GatewayServicer(config, Pipeline(config, backends, accounting.prices), accounting)
+    pipeline = Pipeline(config, backends, accounting.prices)
+    servicer = GatewayServicer(config, pipeline, accounting)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     handle.on_close.append(backends.close)
+    handle.on_close.append(pipeline.detokenizer.close)  # closed first (on_close runs in reverse)
     handle.on_close.append(accounting.close)
     return handle
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
 from grpc import aio
 
 from aiserve.common.context import current_request_id
-from aiserve.common.errors import NotFound
+from aiserve.common.errors import ApiError, FailedPrecondition, NotFound, ResourceExhausted
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.store import ModelRef, ModelStore, default_store_path
@@ -30,6 +31,8 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # Above this many characters (or ids x 4, about 4 characters a token) work runs in a thread.
 _THREAD_MIN_CHARS = 10_000
 _CHARS_PER_ID = 4
+# Open streams one DetokenizeMux call may hold (a gateway holds one per running generation).
+MAX_MUX_STREAMS = 10_000
 
 T = TypeVar("T")
 
@@ -129,6 +132,55 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
             yield tokenizer_pb2.DetokenizeStreamResponse(text_delta=delta)
         rest = detokenizer.flush() if detokenizer is not None else ""
         yield tokenizer_pb2.DetokenizeStreamResponse(text_delta=rest)
+
+    async def DetokenizeMux(
+        self,
+        request_iterator: AsyncIterator[tokenizer_pb2.DetokenizeMuxRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[tokenizer_pb2.DetokenizeMuxResponse]:
+        """DetokenizeStream for many generations over one call: one answer per request
+        message, one delta per item except ``cancel``. A failed item closes its own stream only."""
+        streams: dict[int, _MuxStream] = {}
+        async for request in request_iterator:
+            reply = tokenizer_pb2.DetokenizeMuxResponse()
+            for index, item in enumerate(request.items):
+                if item.cancel:
+                    streams.pop(item.stream, None)
+                    continue
+                try:
+                    delta = self._mux_item(streams, item)
+                except ApiError as exc:
+                    dropped = streams.pop(item.stream, None)
+                    log.warning("detokenize_mux_item_failed", stream=item.stream, code=exc.code.name,
+                                error=exc.message, request_id=dropped.request_id if dropped else "")
+                    reply.deltas.add(stream=item.stream, code=exc.code.value[0],
+                                     message=f"items[{index}].{exc.message}")
+                else:
+                    reply.deltas.add(stream=item.stream, text_delta=delta)
+            yield reply
+
+    def _mux_item(self, streams: dict[int, _MuxStream], item: tokenizer_pb2.DetokenizeMuxItem) -> str:
+        if item.start:
+            if item.stream in streams:
+                raise FailedPrecondition(f"stream: {item.stream} is already open")
+            if len(streams) >= MAX_MUX_STREAMS:
+                raise ResourceExhausted(f"stream: at most {MAX_MUX_STREAMS} streams may be open in one call")
+            streams[item.stream] = _MuxStream(
+                IncrementalDetokenizer(self._tokenizer, item.skip_special_tokens), item.request_id)
+        elif item.stream not in streams:
+            raise FailedPrecondition(f"stream: {item.stream} is not open (its first item needs start)")
+        detokenizer = streams[item.stream].detokenizer
+        delta = detokenizer.push(list(item.token_ids))  # bad ids: InvalidArgument naming token_ids[i]
+        if item.end:
+            delta += detokenizer.flush()
+            del streams[item.stream]
+        return delta
+
+
+@dataclass(frozen=True, slots=True)
+class _MuxStream:
+    detokenizer: IncrementalDetokenizer
+    request_id: str
 
 
 def load_tokenizer(config: TokenizerConfig) -> ModelTokenizer:

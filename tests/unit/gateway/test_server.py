@@ -44,10 +44,11 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         text = " ".join(m.content for m in request.messages)
         return tokenizer_pb2.ApplyChatTemplateResponse(text=text, token_ids=[1] * (len(text.split()) + 2))
 
-    async def DetokenizeStream(self, requests, context):  # noqa: N802, ANN001, ANN201
+    async def DetokenizeMux(self, requests, context):  # noqa: N802, ANN001, ANN201
         async for request in requests:
-            yield tokenizer_pb2.DetokenizeStreamResponse(text_delta="".join(f"w{i} " for i in request.token_ids))
-        yield tokenizer_pb2.DetokenizeStreamResponse()
+            yield tokenizer_pb2.DetokenizeMuxResponse(deltas=[
+                tokenizer_pb2.DetokenizeMuxDelta(stream=i.stream, text_delta="".join(f"w{t} " for t in i.token_ids))
+                for i in request.items if not i.cancel])
 
 
 @dataclass
