@@ -253,6 +253,7 @@ class BatchEngine:
 
     def _work(self) -> None:
         adopt_thread_count()
+        self.model.prepare_kernels(self.scheduler.config.max_num_batched_tokens)  # on this thread only
         with torch.inference_mode():
             while self._wait_for_work():
                 try:

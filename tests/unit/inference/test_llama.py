@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.inference.llama import LlamaModel, default_matmul_dtype
+from services.inference.llama import LlamaModel, bucket_rows, default_matmul_dtype
 from services.inference.runner import BatchRow, build_batch
 
 CPU = torch.device("cpu")
@@ -189,3 +189,21 @@ def test_packed_weights_give_the_same_logits(model_dir: Path) -> None:
     prompts, conts = inputs(packed.config.vocab_size, seed=3)
     for a, b in zip(our_logits(packed, prompts, conts), our_logits(plain, prompts, conts), strict=True):
         assert torch.equal(torch.stack(a), torch.stack(b))
+
+
+def test_bucketed_row_counts_are_few_and_waste_at_most_a_quarter() -> None:
+    buckets = [bucket_rows(rows) for rows in range(1, 20_001)]
+    assert buckets[:32] == list(range(1, 33))  # decode batches up to 32 run exactly
+    for rows, bucket in enumerate(buckets, start=1):
+        assert rows <= bucket <= rows * 1.25 and bucket_rows(bucket) == bucket
+    assert buckets[:64] == sorted(buckets[:64])
+    assert len(set(buckets[:512])) == 48  # kernels per weight shape for the default step budget
+    assert len(set(buckets[:16_384])) == 68
+
+
+def test_prepare_kernels_runs_every_packed_shape_at_every_bucket(model_dir: Path) -> None:
+    model = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16)
+    if not model.packed_weights:
+        pytest.skip("this CPU has no bf16 units: nothing is packed")
+    assert model.prepare_kernels(512) == 5 * 48  # lm_head, qkv, o, gate_up, down
+    assert LlamaModel.load(model_dir, CPU, torch.float32).prepare_kernels(512) == 0
