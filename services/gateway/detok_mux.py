@@ -81,7 +81,8 @@ class DetokenizeMux:
                 await current.wake.wait()
                 current.wake.clear()
                 items, current.outbox = current.outbox, []
-                await current.call.write(tokenizer_pb2.DetokenizeMuxRequest(items=items))
+                if items:
+                    await current.call.write(tokenizer_pb2.DetokenizeMuxRequest(items=items))
         except asyncio.CancelledError:
             self._fail(current, Unavailable("tokenizer unavailable: the gateway is closing"))
             raise
