@@ -253,7 +253,10 @@ class BatchEngine:
 
     def _work(self) -> None:
         adopt_thread_count()
-        self.model.prepare_kernels(self.scheduler.config.max_num_batched_tokens)  # on this thread only
+        try:  # on this thread only (the one torch thread); a failure only leaves kernels to build later
+            self.model.prepare_kernels(self.scheduler.config.max_num_batched_tokens)
+        except Exception:  # noqa: BLE001
+            log.exception("prepare_kernels_failed")
         with torch.inference_mode():
             while self._wait_for_work():
                 try:
