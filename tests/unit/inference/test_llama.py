@@ -19,9 +19,9 @@ NUM_DECODES = 3
 
 
 def hf_logits(model: PreTrainedModel, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
-    """transformers' logits [T, V] of each sequence run alone (no padding)."""
+    """transformers' logits [T, V] of each sequence run alone (no padding), float32 on the CPU."""
     with torch.inference_mode():
-        return [model(torch.tensor([s])).logits[0].float() for s in sequences]
+        return [model(torch.tensor([s], device=model.device)).logits[0].float().cpu() for s in sequences]
 
 
 def our_logits(model: LlamaModel, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
@@ -34,12 +34,13 @@ def our_logits(model: LlamaModel, prompts: Sequence[list[int]], continuations: S
     """
     c = model.config
     shape = (c.num_layers, len(prompts), c.num_kv_heads, slot_len, c.head_dim)
-    k, v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+    k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+    v = torch.zeros(shape, dtype=model.dtype, device=model.device)
     out: list[list[torch.Tensor]] = [[] for _ in prompts]
 
     def run(rows: list[BatchRow]) -> None:
         with torch.inference_mode():
-            logits = model.forward(build_batch(rows, c, slot_len, CPU), k, v).float()
+            logits = model.forward(build_batch(rows, c, slot_len, model.device), k, v).float().cpu()
         for row, row_logits in zip([r for r in rows if r.needs_logits], logits, strict=True):
             out[row.slot].append(row_logits)
 
@@ -169,6 +170,31 @@ def test_family_members_match_transformers(kind: str, tmp_path: Path) -> None:
     prompts, conts = inputs(97, seed=2)
     ref = hf_logits(hf, [p + c for p, c in zip(prompts, conts, strict=True)])
     assert compare(our_logits(ours, prompts, conts), ref, prompts) < 1e-4
+
+
+CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
+                               reason="no CUDA device here; scripts/device_check.sh runs these on a lent GPU")
+
+
+@CUDA_ONLY
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+def test_family_members_match_transformers_on_cuda(kind: str, tmp_path: Path) -> None:
+    """The same forward on CUDA: float32 agrees with transformers' float32 (on the CPU, TF32
+    off), and bf16 is as close to float32 as transformers' own bf16 on CUDA."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = torch.device("cuda")
+    folder = tiny(kind, tmp_path)
+    prompts, conts = inputs(97, seed=4)
+    sequences = [p + c for p, c in zip(prompts, conts, strict=True)]
+    exact = hf_logits(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), sequences)
+    ours32 = LlamaModel.load(folder, cuda, torch.float32)
+    assert compare(our_logits(ours32, prompts, conts), exact, prompts) < 1e-3
+    ours16 = LlamaModel.load(folder, cuda, torch.bfloat16)
+    assert ours16.matmul_dtype == torch.bfloat16 and not ours16.packed_weights  # no CPU paths on CUDA
+    hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(cuda).eval()
+    got, ref = our_logits(ours16, prompts, conts), hf_logits(hf16, sequences)
+    hf_at_ours = [list(ref[i][len(p) - 1 : len(p) - 1 + len(got[i])]) for i, p in enumerate(prompts)]
+    assert compare(got, exact, prompts) < 1.25 * compare(hf_at_ours, exact, prompts) + 0.05
 
 
 def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:

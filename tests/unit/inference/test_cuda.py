@@ -1,0 +1,50 @@
+"""The engine on a CUDA device (skipped without one; scripts/device_check.sh runs it on a lent GPU).
+
+A random 2-layer Llama (no model store needed, so the check travels to a device machine with
+the working tree): concurrent greedy requests through the BatchEngine on CUDA, float32, each
+give exactly transformers' greedy tokens for its prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from services.inference.batch_engine import BatchEngine
+from services.inference.kv_cache import KVCacheConfig
+from services.inference.llama import LlamaModel
+from services.inference.request import GenerateRequest
+from services.inference.scheduler import SchedulerConfig
+from tests.unit.inference.test_llama import CUDA_ONLY, tiny
+
+NEW = 12
+
+
+@CUDA_ONLY
+async def test_concurrent_greedy_requests_on_cuda_match_transformers(tmp_path: Path) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = torch.device("cuda")
+    folder = tiny("llama3", tmp_path)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 97, (3 + 4 * i,), generator=g).tolist() for i in range(6)]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(cuda).eval()
+    with torch.inference_mode():
+        expected = [hf.generate(torch.tensor([p], device=cuda), do_sample=False, max_new_tokens=NEW,
+                                min_new_tokens=NEW)[0, len(p):].tolist() for p in prompts]
+    model = LlamaModel.load(folder, cuda, torch.float32)
+    engine = BatchEngine(model, frozenset(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                         KVCacheConfig(kv_cache_bytes=8 << 20, max_seq_len=64, prefix_cache_fraction=0.0))
+    engine.start()
+    try:
+        async def one(i: int) -> list[int]:
+            request = GenerateRequest(request_id=f"c{i}", prompt_token_ids=tuple(prompts[i]), max_new_tokens=NEW,
+                                      ignore_eos=True)
+            return [t async for event in engine.generate(request) for t in event.token_ids]
+
+        got = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(prompts)))), timeout=120)
+    finally:
+        await engine.stop()
+    assert got == expected  # 6 requests over 4 slots: joins, leaves and chunked prefill (16 tokens a step)
