@@ -269,8 +269,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set(title="(a) 64 concurrent x 64 tokens, bf16", ylabel="useful tokens/s")
     axes[0].tick_params(axis="x", rotation=20)
     c = report["c_mixed"]
-    labels = ["HF static", "engine via gateway"]
-    axes[1].bar(labels, [c["hf_static"]["tokens_per_s"], c["gateway"]["tokens_per_s"]], color=["grey", "tab:orange"])
+    labels = ["HF static", "engine direct", "engine via gateway"]
+    axes[1].bar(labels, [c["hf_static"]["tokens_per_s"], c["direct"]["tokens_per_s"], c["gateway"]["tokens_per_s"]],
+                color=["grey", "tab:blue", "tab:orange"])
     axes[1].set(title=f"(c) mixed, concurrency {c['concurrency']}", ylabel="useful tokens/s")
     pts = report["d_sweep"]["points"]
     sizes = [p["max_num_seqs"] for p in pts]
@@ -334,7 +335,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                  "gateway": await served.run(alone, "gateway")}
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
                  "hf_static": hf_static_mixed(hf, mixed, args.concurrency),
-                 "gateway": await served.run(mixed, "gateway", args.concurrency)}
+                 "gateway": await served.run(mixed, "gateway", args.concurrency),
+                 "direct": await served.run(mixed, "inference", args.concurrency)}
             del hf
         finally:
             suite.stop()
@@ -346,6 +348,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     b["ratio_gateway_vs_hf"] = b["gateway"]["tokens_per_s"] / b["hf"]["tokens_per_s"]
     b["ratio_direct_vs_hf"] = b["direct"]["tokens_per_s"] / b["hf"]["tokens_per_s"]
     c["ratio_gateway_vs_hf_static"] = c["gateway"]["tokens_per_s"] / c["hf_static"]["tokens_per_s"]
+    c["ratio_direct_vs_hf_static"] = c["direct"]["tokens_per_s"] / c["hf_static"]["tokens_per_s"]
     report.update(a_64_concurrent=a, b_alone=b, c_mixed=c)
     return report
 
