@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -125,6 +126,21 @@ async def test_a_cancelled_stream_is_billed_for_what_it_produced_and_marked_aban
     [row] = rows(acc)
     assert (row.status, row.completion_tokens, row.cost_micros) == ("CANCELLED", 2, acc.prices.cost(MODEL, 5, 2, 0))
     assert acc.ledger.query("SELECT kind FROM feedback WHERE request_id = 'r3'", ()) == [("abandoned",)]
+
+
+@pytest.mark.parametrize(("left_s", "status"), [(0.02, "DEADLINE_EXCEEDED"), (5.0, "CANCELLED")])
+async def test_a_cancel_at_the_deadline_is_a_deadline(accounting: tuple[Accounting, str], left_s: float,
+                                                      status: str) -> None:
+    """The client's cancel at its deadline arrives a little before the server's deadline."""
+    acc, auth = accounting
+    with pytest.raises(asyncio.CancelledError):
+        async with acc.account("Complete", "r4", "", 60.0) as account:
+            account.authenticate(auth)
+            account.deadline = time.monotonic() + left_s
+            raise asyncio.CancelledError
+    await acc.ledger.flush()
+    [row] = rows(acc)
+    assert row.status == status
 
 
 async def test_a_repeated_question_is_a_passive_signal_on_the_earlier_request(
