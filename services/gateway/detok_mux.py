@@ -115,7 +115,7 @@ class DetokenizeMux:
             log.warning("detokenize_mux_failed", error=error.message, waiting=len(current.waiting))
         for future in current.waiting.values():
             if not future.done():
-                future.set_exception(error)
+                future.set_exception(_fresh(error))
         current.waiting.clear()
         if self._current is current:
             current.call.cancel()
@@ -125,6 +125,12 @@ class DetokenizeMux:
 
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def _fresh(error: ApiError) -> ApiError:
+    """A new instance per generation: one exception object raised in many tasks would share
+    (and keep rewriting) one traceback."""
+    return type(error)(error.message)
 
 
 def _broken(exc: Exception) -> ApiError:
@@ -178,7 +184,7 @@ class MuxStream:
     async def _send(self, item: tokenizer_pb2.DetokenizeMuxItem, timeout_s: float) -> str:
         current = self._current
         if current.error is not None:
-            raise current.error  # the call broke: this generation's detokenizer state is gone
+            raise _fresh(current.error)  # the call broke: this generation's detokenizer state is gone
         if not self._started:
             item.start, item.skip_special_tokens, item.request_id = True, self._skip, self._request_id
             self._started = True
