@@ -53,7 +53,7 @@ class DetokenizeMux:
 
     def open(self, request_id: str, skip_special_tokens: bool) -> MuxStream:
         """A new generation's stream (nothing is sent until its first ``push``)."""
-        return MuxStream(self, self._live_call(), next(self._ids), request_id, skip_special_tokens)
+        return MuxStream(self._live_call(), next(self._ids), request_id, skip_special_tokens)
 
     async def close(self) -> None:
         if (current := self._current) is not None:
@@ -102,11 +102,11 @@ class DetokenizeMux:
                     else:
                         future.set_result(delta.text_delta)
             self._fail(current, Unavailable("tokenizer unavailable: the detokenizer stream ended"))
-        except grpc.RpcError as exc:
-            self._fail(current, _broken(exc))
         except asyncio.CancelledError:
             self._fail(current, Unavailable("tokenizer unavailable: the gateway is closing"))
             raise
+        except Exception as exc:  # noqa: BLE001 - a broken call: nobody may be left waiting
+            self._fail(current, _broken(exc))
 
     def _fail(self, current: _Call, error: ApiError) -> None:
         """The call is over: fail everything waiting on it; the next ``open`` starts another."""
@@ -153,9 +153,8 @@ class MuxStream:
     rest, and ``close`` always (it cancels the stream on the tokenizer when it did not finish).
     """
 
-    def __init__(self, mux: DetokenizeMux, current: _Call, stream: int, request_id: str,
-                 skip_special_tokens: bool) -> None:
-        self._mux, self._current, self._stream = mux, current, stream
+    def __init__(self, current: _Call, stream: int, request_id: str, skip_special_tokens: bool) -> None:
+        self._current, self._stream = current, stream
         self._request_id, self._skip = request_id, skip_special_tokens
         self._started = self._ended = False
 
@@ -166,10 +165,9 @@ class MuxStream:
 
     async def finish(self, timeout_s: float) -> str:
         """The text still held back; the stream is closed after it."""
-        if not self._started:  # nothing was generated
-            self._ended = True
-            return ""
         self._ended = True
+        if not self._started:  # nothing was generated
+            return ""
         return await self._send(tokenizer_pb2.DetokenizeMuxItem(stream=self._stream, end=True), timeout_s)
 
     def close(self) -> None:
