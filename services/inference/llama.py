@@ -37,6 +37,9 @@ _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _WIDE_MIN_ROWS = 4
 _WIDE_MIN_LOGIT_ROWS = 8
 _PACK_BATCH_HINT = 64  # oneDNN's layout hint; any row count runs on the packed weight
+# Larger steps (a budget above this) build their few kernels when they first run: warming them
+# would run products of gigabytes at start for a budget that is rarely used in full.
+PREPARE_MAX_ROWS = 4096
 
 
 def default_matmul_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
@@ -314,13 +317,16 @@ class LlamaModel:
 
     def prepare_kernels(self, max_rows: int) -> int:
         """Run each packed weight shape once at every bucketed row count up to ``max_rows`` (a
-        step's token budget), so oneDNN builds its kernels now and not while serving. Returns
-        the number of products run (0 when nothing is packed). Call it on the torch thread."""
+        step's token budget; at most ``PREPARE_MAX_ROWS``), so oneDNN builds its kernels now and
+        not while serving. Returns the number of products run (0 when nothing is packed). Call
+        it on the torch thread."""
         shapes: dict[tuple[int, int], _Linear] = {}
         for x in self._linears():
             if x.packed is not None:
                 shapes.setdefault((x.w.shape[0], x.w.shape[1]), x)
-        buckets = sorted({bucket_rows(rows) for rows in range(1, max_rows + 1)})
+        buckets, limit = [bucket_rows(1)], min(max_rows, PREPARE_MAX_ROWS)
+        while buckets[-1] < limit:  # each bucket once, without walking every row count
+            buckets.append(bucket_rows(buckets[-1] + 1))
         with torch.inference_mode():
             for linear in shapes.values():
                 for rows in buckets:
