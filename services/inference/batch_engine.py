@@ -11,10 +11,11 @@ its KV slot; a failed step frees the slots of the sequences it held.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import time
-from collections.abc import AsyncGenerator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -59,7 +60,10 @@ class _Record:
     seq: Seq
     sampling: RowSampling
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue[TokenEvent | BaseException] = field(default_factory=asyncio.Queue)
+    deliver: Deliver
+    """Called on ``loop``'s thread with each event, then once with the last one or an error."""
+    context: contextvars.Context
+    """The submitter's context, which ``deliver`` runs in (its log lines keep their bindings)."""
     compute_s: float = 0.0
 
     def post(self, item: TokenEvent | BaseException) -> None:
@@ -78,6 +82,7 @@ class _Record:
 
 
 _Post = tuple[_Record, TokenEvent | BaseException]
+Deliver = Callable[[TokenEvent | BaseException], None]
 
 
 def _post_all(posts: Sequence[_Post]) -> None:
@@ -95,7 +100,10 @@ def _post_all(posts: Sequence[_Post]) -> None:
 
 def _deliver(items: Sequence[_Post]) -> None:
     for record, event in items:
-        record.events.put_nowait(event)
+        try:
+            record.context.run(record.deliver, event)
+        except Exception:  # noqa: BLE001 - one caller's bug must not starve the others of events
+            log.exception("deliver_failed", request_id=record.request.request_id)
 
 
 class BatchEngine:
@@ -163,11 +171,12 @@ class BatchEngine:
         (the step failed). Stopping the iteration cancels the request: it leaves the batch at
         the next step and its KV slot is freed.
         """
-        record = self._submit(request)
+        events: asyncio.Queue[TokenEvent | BaseException] = asyncio.Queue()
+        cancel = self.submit(request, events.put_nowait)
         is_done = False
         try:
             while True:
-                item = await record.events.get()
+                item = await events.get()
                 if isinstance(item, BaseException):
                     is_done = True
                     raise item
@@ -177,9 +186,25 @@ class BatchEngine:
                     return
         finally:
             if not is_done:
-                with self._lock:
-                    self._aborts.append(record.seq)
-                    self._lock.notify_all()
+                cancel()
+
+    def submit(self, request: GenerateRequest, deliver: Deliver) -> Callable[[], None]:
+        """Queue ``request``; ``deliver`` gets its events on this loop's thread, the last one
+        with ``finish_reason`` set, or one exception instead (the errors of ``generate``).
+
+        Returns ``cancel``: the request leaves the batch at the next step and its KV slot is
+        freed; no further event is promised (a no-op once it finished). ``generate`` is this
+        with a queue; the multiplexed RPC hands each step's events to one writer instead.
+        Raises what ``generate`` raises before the request is queued.
+        """
+        seq = self._submit(request, deliver).seq
+
+        def cancel() -> None:
+            with self._lock:
+                self._aborts.append(seq)
+                self._lock.notify_all()
+
+        return cancel
 
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait (on the engine's condition, no polling) until nothing is queued or running."""
@@ -215,7 +240,7 @@ class BatchEngine:
 
     # --- asyncio side -------------------------------------------------------------------------
 
-    def _submit(self, request: GenerateRequest) -> _Record:
+    def _submit(self, request: GenerateRequest, deliver: Deliver) -> _Record:
         self._validate(request)
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise DeadlineExceeded("deadline passed before the request was queued")
@@ -224,7 +249,7 @@ class BatchEngine:
         seq = Seq(list(prompt), len(prompt), request.max_new_tokens, request.priority,
                   request.deadline, stop_ids)
         sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
-        record = _Record(request, seq, sampling, asyncio.get_running_loop(),
+        record = _Record(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
                          bytes_per_token=self.cache.layout.bytes_per_token)
         with self._lock:
             if not self._is_accepting:
