@@ -44,6 +44,9 @@ class ServiceHandle:
     port: int
     service_names: tuple[str, ...]
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    on_stopping: list[Callable[[], None]] = field(default_factory=list)
+    """Run when stopping begins, before in-flight RPCs get their grace period (e.g. tell
+    long-lived multiplexed calls to take no new work and end)."""
 
     async def set_serving(self, serving: bool) -> None:
         status = (
@@ -62,6 +65,8 @@ class ServiceHandle:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for up to ``grace_s``, release resources."""
         await self.set_serving(False)
+        for stopping in self.on_stopping:
+            stopping()
         await self.server.stop(grace_s)
         for close in reversed(self.on_close):
             await close()

@@ -13,18 +13,18 @@ from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from aiserve.common.context import current_request_id
 from aiserve.common.errors import NotFound
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.store import ModelRef, ModelStore
-from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.batch_engine import BatchEngine, EngineStats
 from services.inference.config import InferenceConfig
+from services.inference.generate_mux import MuxCall
 from services.inference.llama import LlamaModel
+from services.inference.messages import from_pb, to_pb
 from services.inference.model import TORCH_DTYPES, ModelInfo, eos_token_ids
-from services.inference.request import GenerateRequest, TokenEvent
-from services.inference.sampler import SamplingParams
+from services.inference.request import GenerateRequest
 from services.inference.torch_thread import in_fresh_thread
 
 log = get_logger("inference")
@@ -71,46 +71,6 @@ class EngineCollector(Collector):
 COLLECTOR = EngineCollector()
 REGISTRY.register(COLLECTOR)
 
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
-
-def from_pb(request: inference_pb2.InferenceRequest, deadline: float | None) -> GenerateRequest:
-    """pb -> domain. proto3 zeros of top_p and repetition_penalty (unset) mean "off"."""
-    d = request.decoding
-    params = SamplingParams(
-        temperature=d.temperature,
-        top_p=d.top_p or 1.0,
-        top_k=d.top_k,
-        repetition_penalty=d.repetition_penalty or 1.0,
-        seed=d.seed if d.HasField("seed") else None,
-    )
-    return GenerateRequest(
-        request_id=request.request_id or current_request_id(),
-        prompt_token_ids=tuple(request.prompt_token_ids),
-        params=params,
-        max_new_tokens=d.max_new_tokens,
-        stop_token_ids=frozenset(d.stop_token_ids),
-        ignore_eos=d.ignore_eos,
-        priority=request.priority,
-        deadline=deadline,
-    )
-
-
-def to_pb(request_id: str, event: TokenEvent) -> inference_pb2.InferenceResponse:
-    """domain -> pb; the counters (running totals) go on every message."""
-    return inference_pb2.InferenceResponse(
-        request_id=request_id, token_ids=event.token_ids,
-        finish_reason=_FINISH[event.finish_reason] if event.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED,
-        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
-        queue_ms=round(event.queue_ms), compute_ms=round(event.compute_ms), kv_peak_bytes=event.kv_peak_bytes,
-    )
-
-
 def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
     return inference_pb2.InferenceStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
@@ -128,6 +88,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     def __init__(self, engine: BatchEngine, model: ModelInfo) -> None:
         self.engine = engine
         self.model = model
+        self._muxes: set[MuxCall] = set()
+        self._is_stopping = False
+
+    def stop_muxes(self) -> None:
+        """The service is stopping: GenerateMux calls refuse new streams (UNAVAILABLE) and end
+        once their running streams are done, within the grace period Generate calls get."""
+        self._is_stopping = True
+        for mux in self._muxes:
+            mux.stop()
 
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.InferenceRequest, context: aio.ServicerContext
@@ -142,6 +111,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         domain = from_pb(request, deadline)
         async for event in self.engine.generate(domain):
             yield to_pb(domain.request_id, event)
+
+    async def GenerateMux(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[inference_pb2.GenerateMuxRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[inference_pb2.GenerateMuxResponse]:
+        """Generate for many generations over one call; each step's events in one message
+        (generate_mux.py)."""
+        mux = MuxCall(self.engine, str(self.model.ref))
+        if self._is_stopping:
+            mux.stop()
+        self._muxes.add(mux)
+        try:
+            async for reply in mux.run(request_iterator):
+                yield reply
+        finally:
+            self._muxes.discard(mux)
 
     async def Info(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.InferenceInfoRequest, context: aio.ServicerContext
@@ -194,7 +178,9 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     except BaseException:
         await engine.stop()
         raise
-    inference_pb2_grpc.add_InferenceServicer_to_server(InferenceServicer(engine, model), handle.server)
+    servicer = InferenceServicer(engine, model)
+    inference_pb2_grpc.add_InferenceServicer_to_server(servicer, handle.server)
+    handle.on_stopping.append(servicer.stop_muxes)
     handle.on_close.append(engine.stop)
     COLLECTOR.engine = engine
     if engine.scheduler.capacity < config.max_num_seqs:

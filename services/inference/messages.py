@@ -1,0 +1,47 @@
+"""pb <-> domain for the engine's requests and events (Generate and GenerateMux share them)."""
+
+from __future__ import annotations
+
+from aiserve.common.context import current_request_id
+from aiserve.v1 import common_pb2, inference_pb2
+from services.inference.request import GenerateRequest, TokenEvent
+from services.inference.sampler import SamplingParams
+
+_FINISH = {
+    "stop": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
+    "error": common_pb2.FINISH_REASON_ERROR,
+}
+
+
+def from_pb(request: inference_pb2.InferenceRequest, deadline: float | None) -> GenerateRequest:
+    """pb -> domain. proto3 zeros of top_p and repetition_penalty (unset) mean "off"."""
+    d = request.decoding
+    params = SamplingParams(
+        temperature=d.temperature,
+        top_p=d.top_p or 1.0,
+        top_k=d.top_k,
+        repetition_penalty=d.repetition_penalty or 1.0,
+        seed=d.seed if d.HasField("seed") else None,
+    )
+    return GenerateRequest(
+        request_id=request.request_id or current_request_id(),
+        prompt_token_ids=tuple(request.prompt_token_ids),
+        params=params,
+        max_new_tokens=d.max_new_tokens,
+        stop_token_ids=frozenset(d.stop_token_ids),
+        ignore_eos=d.ignore_eos,
+        priority=request.priority,
+        deadline=deadline,
+    )
+
+
+def to_pb(request_id: str, event: TokenEvent) -> inference_pb2.InferenceResponse:
+    """domain -> pb; the counters (running totals) go on every message."""
+    return inference_pb2.InferenceResponse(
+        request_id=request_id, token_ids=event.token_ids,
+        finish_reason=_FINISH[event.finish_reason] if event.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED,
+        prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
+        queue_ms=round(event.queue_ms), compute_ms=round(event.compute_ms), kv_peak_bytes=event.kv_peak_bytes,
+    )
