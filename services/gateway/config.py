@@ -21,6 +21,10 @@ class GatewayConfig(ServiceConfig):
     """host:port of the tokenizer service."""
     inference_address: str = "127.0.0.1:50053"
     """host:port of the inference service."""
+    generate_mux: bool = True
+    """Run every generation over one shared GenerateMux call (one message per engine step);
+    false = one Generate call per generation, for an L7 balancer (a mesh sidecar) that spreads
+    calls over several inference replicas behind one address (decision 34)."""
     cache_address: str = "127.0.0.1:50054"
     """host:port of the cache service; empty disables caching."""
     default_model: str = DEFAULT_MODEL_REF

@@ -21,6 +21,7 @@ from services.gateway.cache_client import CacheKey, StoreStream, cache_key, repl
 from services.gateway.cache_client import lookup as cache_lookup
 from services.gateway.config import GatewayConfig
 from services.gateway.detok_mux import DetokenizeMux
+from services.gateway.generate_mux import CallPerGeneration, GenerateMux, Generations
 from services.gateway.pricing import PriceTable
 from services.gateway.stops import StopMatcher
 from services.gateway.validation import Sampling, fit_prompt
@@ -101,6 +102,8 @@ class Pipeline:
         self.backends = backends
         self.prices = prices  # the one table accounting reserves with, so cost and reservation agree
         self.detokenizer = DetokenizeMux(backends.tokenizer)  # one call shared by all generations
+        self.generations: Generations = (  # likewise, unless a balancer needs a call each (decision 34)
+            GenerateMux(backends.inference) if config.generate_mux else CallPerGeneration(backends.inference))
 
     async def generate(
         self, req: GatewayRequest, timeout_s: float | None, admit: Callable[[int, str], None] | None = None
@@ -219,36 +222,34 @@ class Pipeline:
         )
         if s.seed is not None:
             decoding.seed = s.seed
-        call = self.backends.inference.Generate(
-            inference_pb2.InferenceRequest(
-                request_id=req.request_id, model=model, prompt_token_ids=prompt.token_ids,
-                decoding=decoding, priority=req.priority,
-            ),
-            timeout=_remaining_s(deadline),  # the client's deadline becomes the inference deadline
+        request = inference_pb2.InferenceRequest(
+            request_id=req.request_id, model=model, prompt_token_ids=prompt.token_ids,
+            decoding=decoding, priority=req.priority,
         )
+        # the client's deadline becomes the generation's deadline
+        generation = self.generations.open(request, _remaining_s(deadline))
         detok = self.detokenizer.open(req.request_id, skip_special_tokens=True)
         stops = StopMatcher(s.stop)
         try:
-            async for message in call:
+            while True:
+                message = await generation.read(_remaining_s(deadline))
                 ids = tuple(message.token_ids)
-                delta = await detok.push(ids, _remaining_s(deadline))
+                delta = await detok.push(ids, _remaining_s(deadline)) if ids else ""
                 text = stops.feed(delta)
                 last = message  # every message carries the running counters (queue, compute, KV)
                 yield text, ids, last
                 if stops.stopped:
                     return
+                if message.finish_reason:
+                    break
             text = stops.feed(await detok.finish(_remaining_s(deadline))) + stops.flush()
             if text:
                 yield text, (), None
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
-                self.backends.forget_route()
-            raise downstream_error("inference", exc) from exc
-        except Unavailable:  # the tokenizer's detokenizer call broke
+        except Unavailable:  # inference or the tokenizer's shared call broke, or inference is stopping
             self.backends.forget_route()
             raise
         finally:
-            call.cancel()
+            generation.close()
             detok.close()
 
     async def _lookup(self, key: CacheKey, min_similarity: float | None) -> cache_pb2.LookupResponse | None:

@@ -228,6 +228,7 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     handle.on_close.append(backends.close)
     handle.on_close.append(pipeline.detokenizer.close)  # closed first (on_close runs in reverse)
+    handle.on_close.append(pipeline.generations.close)
     handle.on_close.append(accounting.close)
     return handle
 

@@ -13,13 +13,16 @@ from aiserve.v1 import gateway_pb2, gateway_pb2_grpc
 from tests.integration.conftest import auth, create_tenant, eventually, ledger_rows, log_records, new_request_id
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
+GENERATION_METHODS = {"/aiserve.v1.Inference/Generate", "/aiserve.v1.Inference/GenerateMux:stream"}
+
 
 def inference_calls(suite: Suite, request_id: str) -> list[dict[str, object]]:
-    """The inference service's log lines of finished Generate calls of this request id."""
+    """The inference service's log lines of this request id's finished generations: a Generate
+    call's, or its stream's on the gateway's shared GenerateMux call."""
     return [
         r
         for r in log_records(suite, "inference")
-        if r.get("request_id") == request_id and r.get("method") == "/aiserve.v1.Inference/Generate"
+        if r.get("request_id") == request_id and r.get("method") in GENERATION_METHODS
     ]
 
 

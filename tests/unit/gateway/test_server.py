@@ -61,7 +61,8 @@ class Seen:
 
 
 class FakeInference(inference_pb2_grpc.InferenceServicer):
-    """Streams max_new_tokens ids; a prompt of exactly 7 words hangs after one token."""
+    """Streams max_new_tokens ids over GenerateMux (the gateway's one call); a prompt of exactly
+    7 words hangs after one token."""
 
     def __init__(self, seen: Seen) -> None:
         self.seen = seen
@@ -69,8 +70,37 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
         return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096)
 
+    async def GenerateMux(self, requests, context):  # noqa: N802, ANN001, ANN201
+        events: asyncio.Queue[inference_pb2.GenerateMuxEvent] = asyncio.Queue()
+        running: dict[int, asyncio.Task[None]] = {}
+
+        async def run(item: inference_pb2.GenerateMuxItem) -> None:
+            async for message in self._generate(item.request, item.timeout_ms / 1000):
+                events.put_nowait(inference_pb2.GenerateMuxEvent(stream=item.stream, response=message))
+
+        async def read() -> None:
+            async for batch in requests:
+                for item in batch.items:
+                    if item.cancel:
+                        running.pop(item.stream).cancel()
+                    else:
+                        running[item.stream] = asyncio.create_task(run(item))
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield inference_pb2.GenerateMuxResponse(events=[await events.get()])
+        finally:
+            reader.cancel()
+            for task in running.values():
+                task.cancel()
+
     async def Generate(self, request, context):  # noqa: N802, ANN001, ANN201
-        self.seen.remaining_s.append(context.time_remaining())
+        async for message in self._generate(request, context.time_remaining()):
+            yield message
+
+    async def _generate(self, request, remaining_s):  # noqa: ANN001, ANN202
+        self.seen.remaining_s.append(remaining_s)
         self.seen.priorities.append(request.priority)
         n = request.decoding.max_new_tokens
         try:
@@ -114,8 +144,8 @@ class Gateway:
             ledger.close()
 
 
-@pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+@pytest.fixture(params=[True, False], ids=["generate-mux", "call-per-generation"])
+async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Gateway]:
     seen = Seen()
     backends: list[ServiceHandle] = []
     for name, add, servicer in (
@@ -134,6 +164,7 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     config = GatewayConfig(
         port=0,
         metrics_port=0,
+        generate_mux=request.param,
         tokenizer_address=f"127.0.0.1:{backends[0].port}",
         inference_address=f"127.0.0.1:{backends[1].port}",
         cache_address="",

@@ -1,0 +1,161 @@
+"""The gateway's side of the inference service's GenerateMux: every running generation shares
+one call (decision 34).
+
+With a Generate call per generation, each engine step of 64 sequences was 64 gRPC messages out
+of the inference process and 64 into the gateway; over the shared call it is usually one each,
+since the inference service sends a step's events together (services/inference/generate_mux.py).
+Each generation reads the same InferenceResponse messages a Generate call would stream and
+gets the same errors; if the call breaks (the inference service restarted), the generations on
+it fail with UNAVAILABLE and the next one opens a new call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from typing import Protocol
+
+import grpc
+from grpc import aio
+
+from aiserve.common.errors import ApiError, DeadlineExceeded, Unavailable
+from aiserve.v1 import inference_pb2, inference_pb2_grpc
+from services.gateway.backends import downstream_error
+from services.gateway.shared_call import SharedCall, fresh, item_error
+
+_Item = inference_pb2.InferenceResponse | ApiError | RuntimeError
+
+
+class _Call(SharedCall[inference_pb2.GenerateMuxItem]):
+    """One GenerateMux call and the queues of the generations on it."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
+        self.streams: dict[int, asyncio.Queue[_Item]] = {}
+        super().__init__("inference", "generation", stub.GenerateMux,
+                         lambda items: inference_pb2.GenerateMuxRequest(items=items))
+
+    def on_reply(self, reply: inference_pb2.GenerateMuxResponse) -> None:
+        for event in reply.events:
+            queue = self.streams.get(event.stream)
+            if queue is None:
+                continue  # its generation was cancelled meanwhile
+            if event.code:
+                del self.streams[event.stream]
+                queue.put_nowait(item_error("inference", event.code, event.message))
+                continue
+            queue.put_nowait(event.response)
+            if event.response.finish_reason:
+                del self.streams[event.stream]
+
+    def on_fail(self, error: ApiError) -> None:
+        for queue in self.streams.values():
+            queue.put_nowait(fresh(error))
+        self.streams.clear()
+
+
+class Generation(Protocol):
+    """One generation as the pipeline reads it, whichever way it travels."""
+
+    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse: ...
+
+    def close(self) -> None: ...
+
+
+class Generations(Protocol):
+    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> Generation: ...
+
+    async def close(self) -> None: ...
+
+
+class GenerateMux:
+    """Starts ``MuxGeneration``s over a shared GenerateMux call."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
+        self._stub = stub
+        self._current: _Call | None = None
+        self._ids = itertools.count(1)
+
+    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> MuxGeneration:
+        """Start ``request`` with ``timeout_s`` to its deadline (it is queued on the call now)."""
+        if self._current is None or self._current.error is not None:
+            self._current = _Call(self._stub)
+        return MuxGeneration(self._current, next(self._ids), request, timeout_s)
+
+    async def close(self) -> None:
+        if (current := self._current) is not None:
+            self._current = None
+            await current.close()
+
+
+class MuxGeneration:
+    """One generation over the shared call: ``read`` its messages until one carries
+    finish_reason (or an error is raised), and ``close`` always (it cancels the generation on
+    the inference service unless it ended)."""
+
+    def __init__(self, current: _Call, stream: int, request: inference_pb2.InferenceRequest,
+                 timeout_s: float) -> None:
+        self._current, self._stream = current, stream
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._is_ended = False
+        current.streams[stream] = self._queue
+        current.send(inference_pb2.GenerateMuxItem(stream=stream, request=request,
+                                                   timeout_ms=max(1, math.ceil(timeout_s * 1000))))
+
+    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse:
+        """The next message. Raises the generation's error (Generate's codes), or
+        DeadlineExceeded when nothing comes within ``timeout_s``."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                item = await self._queue.get()
+        except TimeoutError:
+            raise DeadlineExceeded("inference: no token before the deadline") from None
+        if isinstance(item, Exception):
+            self._is_ended = True
+            raise item
+        if item.finish_reason:
+            self._is_ended = True
+        return item
+
+    def close(self) -> None:
+        """Cancel the generation unless it ended (no answer is awaited)."""
+        if self._is_ended:
+            return
+        self._is_ended = True
+        current = self._current
+        if current.streams.pop(self._stream, None) is not None and current.error is None:
+            current.send(inference_pb2.GenerateMuxItem(stream=self._stream, cancel=True))
+
+
+class CallPerGeneration:
+    """One Generate call per generation (``generate_mux = false``): each is its own HTTP/2
+    stream, which an L7 balancer can send to any replica. Opened in the request's context, so
+    the call carries its request id and trace parent."""
+
+    def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
+        self._stub = stub
+
+    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> CallGeneration:
+        return CallGeneration(self._stub.Generate(request, timeout=timeout_s))
+
+    async def close(self) -> None:
+        pass
+
+
+class CallGeneration:
+    """A Generate call read like a ``MuxGeneration`` (gRPC enforces the deadline it was given)."""
+
+    def __init__(self, call: aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse:
+        try:
+            message = await self._call.read()
+        except grpc.RpcError as exc:
+            raise downstream_error("inference", exc) from exc
+        if message is aio.EOF:
+            raise Unavailable("inference unavailable: the generation ended without a finish_reason")
+        return message  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self._call.cancel()

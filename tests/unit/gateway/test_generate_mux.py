@@ -1,0 +1,161 @@
+"""The gateway's shared GenerateMux call against a fake inference service over a real gRPC socket."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+import pytest_asyncio
+from grpc import aio
+
+from aiserve.common.context import REQUEST_ID_KEY, request_id_var
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from aiserve.common.interceptors import downstream_channel
+from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.gateway.generate_mux import GenerateMux, MuxGeneration
+
+TIMEOUT_S = 10.0
+# prompts the fake reads as instructions
+BAD, BREAK, HANG = [999], [666], [777]  # an INVALID_ARGUMENT event / abort the call / no answer
+
+
+@dataclass
+class Seen:
+    messages: list[list[inference_pb2.GenerateMuxItem]] = field(default_factory=list)
+    metadata: list[dict[str, str]] = field(default_factory=list)
+    calls: int = 0
+
+
+class FakeInference(inference_pb2_grpc.InferenceServicer):
+    """Answers a start item with max_new_tokens messages, ids 100+i, all in one reply; the last
+    carries finish_reason LENGTH."""
+
+    def __init__(self, seen: Seen) -> None:
+        self.seen = seen
+
+    async def GenerateMux(self, requests, context):  # noqa: N802, ANN001, ANN201
+        self.seen.calls += 1
+        self.seen.metadata.append(dict(context.invocation_metadata() or ()))
+        async for request in requests:
+            self.seen.messages.append(list(request.items))
+            reply = inference_pb2.GenerateMuxResponse()
+            for item in request.items:
+                if item.cancel:
+                    continue
+                prompt = list(item.request.prompt_token_ids)
+                if prompt == BREAK:
+                    await context.abort(grpc.StatusCode.INTERNAL, "boom")
+                if prompt == HANG:
+                    continue
+                if prompt == BAD:
+                    reply.events.add(stream=item.stream, code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                     message="prompt_token_ids: id 999 is outside the vocabulary 0..99")
+                    continue
+                n = item.request.decoding.max_new_tokens
+                for i in range(n):
+                    reply.events.add(stream=item.stream, response=inference_pb2.InferenceResponse(
+                        request_id=item.request.request_id, token_ids=[100 + i], completion_tokens=i + 1,
+                        finish_reason=common_pb2.FINISH_REASON_LENGTH if i == n - 1 else 0))
+            yield reply
+
+
+@pytest_asyncio.fixture
+async def fake() -> AsyncIterator[tuple[GenerateMux, Seen]]:
+    seen = Seen()
+    server = aio.server()
+    inference_pb2_grpc.add_InferenceServicer_to_server(FakeInference(seen), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = downstream_channel(f"127.0.0.1:{port}")  # forwards the request context, as in the gateway
+    mux = GenerateMux(inference_pb2_grpc.InferenceStub(channel))
+    try:
+        yield mux, seen
+    finally:
+        await mux.close()
+        await channel.close()
+        await server.stop(None)
+
+
+def request(prompt: list[int], max_new_tokens: int = 3, request_id: str = "r") -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(request_id=request_id, prompt_token_ids=prompt,
+                                          decoding=inference_pb2.Decoding(max_new_tokens=max_new_tokens))
+
+
+async def read_all(generation: MuxGeneration) -> list[inference_pb2.InferenceResponse]:
+    messages = [await generation.read(TIMEOUT_S)]
+    while not messages[-1].finish_reason:
+        messages.append(await generation.read(TIMEOUT_S))
+    return messages
+
+
+async def test_concurrent_generations_share_the_call_and_get_their_own_messages(
+        fake: tuple[GenerateMux, Seen]) -> None:
+    mux, seen = fake
+
+    async def generation(n: int) -> list[tuple[str, list[int]]]:
+        g = mux.open(request([1, n], max_new_tokens=n % 4 + 1, request_id=f"r{n}"), TIMEOUT_S)
+        try:
+            return [(m.request_id, list(m.token_ids)) for m in await read_all(g)]
+        finally:
+            g.close()
+
+    results = await asyncio.gather(*(generation(n) for n in range(32)))
+    assert results == [[(f"r{n}", [100 + i]) for i in range(n % 4 + 1)] for n in range(32)]
+    items = [item for message in seen.messages for item in message]
+    assert len(items) == 32 and seen.calls == 1  # no cancel items: every generation ended
+    assert len(seen.messages) < len(items) / 4  # gathered: far fewer messages than generations
+    assert all(0 < item.timeout_ms <= TIMEOUT_S * 1000 for item in items)  # each carries its deadline
+
+
+async def test_a_failed_generation_fails_alone(fake: tuple[GenerateMux, Seen]) -> None:
+    mux, _ = fake
+    good, bad = mux.open(request([1]), TIMEOUT_S), mux.open(request(BAD), TIMEOUT_S)
+    with pytest.raises(InvalidArgument, match="prompt_token_ids: id 999 is outside"):
+        await bad.read(TIMEOUT_S)
+    assert [list(m.token_ids) for m in await read_all(good)] == [[100], [101], [102]]
+
+
+async def test_a_broken_call_fails_its_generations_and_the_next_opens_a_new_one(
+        fake: tuple[GenerateMux, Seen]) -> None:
+    mux, seen = fake
+    waiting = mux.open(request(HANG), TIMEOUT_S)  # never answered
+    breaking = mux.open(request(BREAK), TIMEOUT_S)
+    for generation in (breaking, waiting):  # the waiting one's state died with the call
+        with pytest.raises(Unavailable, match="inference unavailable: the generation call failed with INTERNAL: boom"):
+            await generation.read(TIMEOUT_S)
+    assert [list(m.token_ids) for m in await read_all(mux.open(request([1], 1), TIMEOUT_S))] == [[100]]
+    assert seen.calls == 2
+
+
+async def test_close_cancels_an_unfinished_generation_only(fake: tuple[GenerateMux, Seen]) -> None:
+    mux, seen = fake
+    finished = mux.open(request([1], 1), TIMEOUT_S)
+    await read_all(finished)
+    finished.close()  # ended: nothing to cancel
+    hanging = mux.open(request(HANG), TIMEOUT_S)
+    hanging.close()
+    probe = mux.open(request([2], 1), TIMEOUT_S)
+    await read_all(probe)  # sent after the cancel item, so the fake has seen it
+    items = [item for message in seen.messages for item in message]
+    assert [(item.stream, item.cancel) for item in items] == [(1, False), (2, False), (2, True), (3, False)]
+
+
+async def test_no_message_before_the_deadline_is_deadline_exceeded(fake: tuple[GenerateMux, Seen]) -> None:
+    mux, _ = fake
+    generation = mux.open(request(HANG), 0.2)
+    with pytest.raises(DeadlineExceeded, match="no token before the deadline"):
+        await generation.read(0.2)
+
+
+async def test_the_shared_call_carries_no_request_id(fake: tuple[GenerateMux, Seen]) -> None:
+    mux, seen = fake
+    token = request_id_var.set("the-first-request")
+    try:
+        await read_all(mux.open(request([1], 1, "the-first-request"), TIMEOUT_S))
+    finally:
+        request_id_var.reset(token)
+    assert REQUEST_ID_KEY not in seen.metadata[0]
+    assert seen.messages[0][0].request.request_id == "the-first-request"  # it travels in the item
