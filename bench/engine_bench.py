@@ -8,8 +8,9 @@ measured in the same run on the same machine, bf16, greedy.
     HF (a few requests, expressed as a rate);
 (b) one request alone vs HF on one request; (c) a mixed workload (arrivals spread over time,
     max_new_tokens 16-256) vs static HF batches at the same concurrency, with TTFT and
-    inter-token latency; (d) the batch-size sweep (in-process engine, fixed-length outputs):
-    throughput and latency against max_num_seqs, with the knee marked.
+    inter-token latency (``--rounds`` runs of each, in turn; medians); (d) the batch-size sweep
+    (in-process engine, fixed-length outputs): throughput and latency against max_num_seqs,
+    with the knee marked.
 The gateway has no ignore_eos, so (a)-(c) count useful completion tokens (up to and including
 each answer's EOS) on both sides, with prompts that ask for long answers.
 Writes bench/results/engine.json and engine.png.
@@ -103,7 +104,7 @@ def hf_static(hf: HF, batch: Sequence[Sequence[int]], max_new: int) -> dict[str,
 
 
 def hf_sequential(hf: HF, batch: Sequence[Sequence[int]], max_new: int) -> dict[str, Any]:
-    seconds = tokens = 0
+    seconds, tokens = 0.0, 0
     for p in batch:
         s, rows = hf.generate([p], max_new)
         seconds += s
@@ -333,10 +334,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             alone = [Arrival(0.0, texts[0], ids[0], 64)]
             b = {"hf": a["hf_sequential"], "direct": await served.run(alone, "inference"),
                  "gateway": await served.run(alone, "gateway")}
+            # (c) in rounds too: one run is ~20 s, and the VM's speed drifts by more than 5%
+            mixed_runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "gateway": [], "direct": []}
+            for _ in range(args.rounds):
+                mixed_runs["hf_static"].append(hf_static_mixed(hf, mixed, args.concurrency))
+                mixed_runs["gateway"].append(await served.run(mixed, "gateway", args.concurrency))
+                mixed_runs["direct"].append(await served.run(mixed, "inference", args.concurrency))
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
-                 "hf_static": hf_static_mixed(hf, mixed, args.concurrency),
-                 "gateway": await served.run(mixed, "gateway", args.concurrency),
-                 "direct": await served.run(mixed, "inference", args.concurrency)}
+                 **{name: median_run(samples) for name, samples in mixed_runs.items()}}
             del hf
         finally:
             suite.stop()
@@ -358,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--sweep-tokens", type=int, default=32)
     parser.add_argument("--sequential", type=int, default=3, help="HF requests timed one at a time")
-    parser.add_argument("--rounds", type=int, default=3, help="(a): runs of each side, in turn; medians reported")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="(a) and (c): runs of each side, in turn; medians reported")
     parser.add_argument("--mixed", type=int, default=48)
     parser.add_argument("--mixed-spread-s", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)
