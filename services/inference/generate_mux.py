@@ -69,10 +69,6 @@ class MuxCall:
         self._is_reading = True
         self._is_stopping = False
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     def stop(self) -> None:
         """The service is stopping: refuse new streams; end the call once the open ones end."""
         self._is_stopping = True
@@ -103,6 +99,8 @@ class MuxCall:
             async for request in requests:
                 for index, item in enumerate(request.items):
                     self._item(index, item)
+        except Exception as exc:  # noqa: BLE001 - the caller's side broke; the call ends with it
+            log.info("generate_mux_read_ended", error=f"{type(exc).__name__}: {exc}")
         finally:
             self._is_reading = False
             self._wake.set()
@@ -136,7 +134,7 @@ class MuxCall:
             raise NotFound(f"model: {request.model!r} is not loaded here (this is {self._model_ref})")
         timeout_s = item.timeout_ms / 1000 if item.timeout_ms else None
         domain = from_pb(request, None if timeout_s is None else time.monotonic() + timeout_s)
-        stream = _Stream(item.stream, request.request_id)
+        stream = _Stream(item.stream, domain.request_id)
         stream.cancel = self._engine.submit(domain, lambda event: self._deliver(stream, event))
         self._streams[item.stream] = stream
         if timeout_s is not None:
