@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -33,7 +34,7 @@ ItemT = TypeVar("ItemT")
 CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
-class SharedCall(Generic[ItemT]):
+class SharedCall(ABC, Generic[ItemT]):
     """The call, its outbox and its two tasks; subclasses say what a reply and a failure mean."""
 
     def __init__(self, service: str, what: str, open_call: Callable[[], aio.StreamStreamCall],
@@ -50,13 +51,13 @@ class SharedCall(Generic[ItemT]):
         self._tasks = [loop.create_task(self._write(), context=empty),
                        loop.create_task(self._read(), context=empty)]
 
+    @abstractmethod
     def on_reply(self, reply: Any) -> None:
         """Hand a reply's parts to their generations."""
-        raise NotImplementedError
 
+    @abstractmethod
     def on_fail(self, error: ApiError) -> None:
         """Fail every generation still waiting on the call (a fresh exception each: ``fresh``)."""
-        raise NotImplementedError
 
     def send(self, item: ItemT) -> None:
         """Queue ``item`` for the next message (the caller checks ``error`` first)."""

@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import pytest_asyncio
-from grpc import aio
 
 from aiserve.common.context import REQUEST_ID_KEY, request_id_var
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from aiserve.common.interceptors import downstream_channel
 from aiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.detok_mux import DetokenizeMux
+from tests.unit.gateway.fakes import fake_backend
 
 TIMEOUT_S = 10.0
 BREAK, HANG = 666, 777  # ids that make the fake abort the call / never answer
@@ -60,18 +59,12 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 @pytest_asyncio.fixture
 async def fake() -> AsyncIterator[tuple[DetokenizeMux, Seen]]:
     seen = Seen()
-    server = aio.server()
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(FakeTokenizer(seen), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = downstream_channel(f"127.0.0.1:{port}")  # forwards the request context, as in the gateway
-    mux = DetokenizeMux(tokenizer_pb2_grpc.TokenizerStub(channel))
-    try:
-        yield mux, seen
-    finally:
-        await mux.close()
-        await channel.close()
-        await server.stop(None)
+    async with fake_backend(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, FakeTokenizer(seen)) as channel:
+        mux = DetokenizeMux(tokenizer_pb2_grpc.TokenizerStub(channel))
+        try:
+            yield mux, seen
+        finally:
+            await mux.close()
 
 
 async def test_concurrent_generations_share_messages_and_get_their_own_text(

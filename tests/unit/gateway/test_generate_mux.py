@@ -9,13 +9,12 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 import pytest_asyncio
-from grpc import aio
 
 from aiserve.common.context import REQUEST_ID_KEY, request_id_var
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from aiserve.common.interceptors import downstream_channel
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.gateway.generate_mux import GenerateMux, MuxGeneration
+from tests.unit.gateway.fakes import fake_backend
 
 TIMEOUT_S = 10.0
 # prompts the fake reads as instructions
@@ -65,18 +64,12 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
 @pytest_asyncio.fixture
 async def fake() -> AsyncIterator[tuple[GenerateMux, Seen]]:
     seen = Seen()
-    server = aio.server()
-    inference_pb2_grpc.add_InferenceServicer_to_server(FakeInference(seen), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    channel = downstream_channel(f"127.0.0.1:{port}")  # forwards the request context, as in the gateway
-    mux = GenerateMux(inference_pb2_grpc.InferenceStub(channel))
-    try:
-        yield mux, seen
-    finally:
-        await mux.close()
-        await channel.close()
-        await server.stop(None)
+    async with fake_backend(inference_pb2_grpc.add_InferenceServicer_to_server, FakeInference(seen)) as channel:
+        mux = GenerateMux(inference_pb2_grpc.InferenceStub(channel))
+        try:
+            yield mux, seen
+        finally:
+            await mux.close()
 
 
 def request(prompt: list[int], max_new_tokens: int = 3, request_id: str = "r") -> inference_pb2.InferenceRequest:
