@@ -240,9 +240,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+@dataclass(frozen=True, slots=True)
+class _Masks:
+    """A step's attention masks, additive (0 or -inf) in the model dtype."""
+
+    single: torch.Tensor | None
+    spans: list[torch.Tensor]
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The float mask SDPA makes of a bool one (True = attend): 0 where True, -inf elsewhere."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding: ``x * cos + rotate_half(x) * sin``, with rotate_half's sign folded into
+    ``signed_sin`` ([-sin, sin] by halves), so the halves swap in one ``roll`` (the same bits)."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class LlamaModel:
@@ -310,7 +324,10 @@ class LlamaModel:
         """Whether every matmul runs on a oneDNN-packed weight."""
         angles = torch.outer(torch.arange(config.max_position_embeddings).float(), rope_inv_freq(config))
         angles = torch.cat((angles, angles), dim=-1)  # [P, D]
-        self._cos, self._sin = angles.cos().to(device), angles.sin().to(device)  # float32
+        sin = angles.sin()
+        half = angles.shape[-1] // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)  # rotate_half's sign, folded in
+        self._cos, self._signed_sin = angles.cos().to(device), signed_sin.to(device)  # float32
 
     def _linears(self) -> list[_Linear]:
         return [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
@@ -358,8 +375,11 @@ class LlamaModel:
         n, d = batch.input_ids.shape[0], c.head_dim
         h = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
         cos = self._cos[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D]
-        sin = self._sin[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D]
+        sin = self._signed_sin[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D], rotate_half's sign in
         wide = n >= _WIDE_MIN_ROWS
+        # SDPA turns a bool mask into an additive one on every call: once per step instead
+        masks = _Masks(None if batch.single_mask is None else _additive(batch.single_mask, self.dtype),
+                       [_additive(span.mask, self.dtype) for span in batch.spans])
         for layer, kc, vc in zip(self.layers, k_cache, v_cache, strict=True):
             x = rms_norm(h, layer.ln_attn, c.rms_norm_eps)
             qkv = layer.qkv(x, wide)  # [N, (H + 2*KVH) * D]
@@ -369,7 +389,7 @@ class LlamaModel:
             # Indexed assignment (index_put_) writes the scattered rows ~2x faster than index_copy_
             kc.view(-1, d)[batch.cache_rows] = k.reshape(-1, d)
             vc.view(-1, d)[batch.cache_rows] = v.reshape(-1, d)
-            h = h + layer.o(self._attention(q, kc, vc, batch), wide)
+            h = h + layer.o(self._attention(q, kc, vc, batch, masks), wide)
             x = rms_norm(h, layer.ln_mlp, c.rms_norm_eps)
             gate, up = layer.gate_up(x, wide).chunk(2, dim=-1)  # [N, I] each
             h = h + layer.down(F.silu(gate) * up, wide)
@@ -377,7 +397,7 @@ class LlamaModel:
         return self.lm_head(last, last.shape[0] >= _WIDE_MIN_LOGIT_ROWS)  # [R, V]
 
     def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                   batch: ForwardBatch) -> torch.Tensor:
+                   batch: ForwardBatch, masks: _Masks) -> torch.Tensor:
         """q: [N, H, D]; kc, vc: one layer's cache [S, KVH, T, D]. Returns [N, H*D]."""
         c = self.config
         n, kvh, g, d = q.shape[0], c.num_kv_heads, c.num_groups, c.head_dim
@@ -389,7 +409,7 @@ class LlamaModel:
                 qs = q.new_zeros(hi - lo, c.num_heads, d).index_copy_(0, batch.single_index, qs)
             out = F.scaled_dot_product_attention(
                 qs.view(hi - lo, kvh, g, d), kc[lo:hi, :, :length], vc[lo:hi, :, :length],
-                attn_mask=batch.single_mask, scale=scale,
+                attn_mask=masks.single, scale=scale,
             ).reshape(hi - lo, c.num_heads * d)  # [hi-lo, H*D]
             if batch.single_index is not None:
                 out = out[batch.single_index]
@@ -398,12 +418,12 @@ class LlamaModel:
         result = q.new_empty(n, c.num_heads * d)
         if batch.num_single:
             result[: batch.num_single] = out
-        for span in batch.spans:
+        for span, span_mask in zip(batch.spans, masks.spans, strict=True):
             t, a = span.num_tokens, span.first
             qp = q[a : a + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * t, d)
             o = F.scaled_dot_product_attention(
                 qp, kc[span.slot : span.slot + 1, :, : span.context_len],
-                vc[span.slot : span.slot + 1, :, : span.context_len], attn_mask=span.mask, scale=scale,
+                vc[span.slot : span.slot + 1, :, : span.context_len], attn_mask=span_mask, scale=scale,
             )  # [1, KVH, G*t, D]
             result[a : a + t] = o.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, c.num_heads * d)
         return result
