@@ -118,6 +118,10 @@ class MuxCall:
             if (stream := self._streams.get(item.stream)) is not None:  # a second start closes it too
                 self._end(stream, exc.code)
                 stream.cancel()
+        except Exception as exc:  # noqa: BLE001 - a bug fails this stream (INTERNAL), not the call
+            log.exception("generate_mux_start_failed", request_id=item.request.request_id)
+            if item.stream not in self._streams:
+                self._error(item.stream, item.request.request_id, exc)
 
     def _start(self, index: int, item: inference_pb2.GenerateMuxItem) -> None:
         if not item.HasField("request"):

@@ -128,6 +128,28 @@ async def test_a_bad_item_fails_its_own_stream_only(served: Served) -> None:
     assert await engine_idle()  # the closed stream 1 left the batch
 
 
+async def test_a_bug_in_one_start_fails_that_stream_with_internal_only(
+        served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = COLLECTOR.engine
+    assert engine is not None
+    submit = engine.submit
+
+    def broken_for_s2(request, deliver):  # noqa: ANN001, ANN202
+        if request.request_id == "s2":
+            raise RuntimeError("a bug")
+        return submit(request, deliver)
+
+    monkeypatch.setattr(engine, "submit", broken_for_s2)
+    mux = Mux(served.stub)
+    await mux.send(start(1, 3), start(2, 3), start(3, 3))
+    await mux.until(1, 2, 3)
+    mux.call.cancel()
+    assert mux.events[2][-1].code == grpc.StatusCode.INTERNAL.value[0]
+    assert "internal error (request_id=s2)" in mux.events[2][-1].message and "a bug" not in mux.events[2][-1].message
+    for stream in (1, 3):  # the call kept reading and serving the others
+        assert mux.events[stream][-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
 async def test_a_cancel_item_takes_the_generation_out_and_the_call_goes_on(served: Served) -> None:
     mux = Mux(served.stub)
     await mux.send(start(1, LONG))
