@@ -15,11 +15,10 @@ If the call breaks (the tokenizer restarted), every generation on it fails with 
 from __future__ import annotations
 
 import asyncio
-import itertools
 
 from aiserve.common.errors import ApiError, DeadlineExceeded
 from aiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.gateway.shared_call import SharedCall, fresh, item_error
+from services.gateway.shared_call import Reopening, SharedCall, fresh, item_error
 
 
 class _Call(SharedCall[tokenizer_pb2.DetokenizeMuxItem]):
@@ -51,20 +50,14 @@ class DetokenizeMux:
     """Opens ``MuxStream``s, one per generation, over a shared DetokenizeMux call."""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:
-        self._stub = stub
-        self._current: _Call | None = None
-        self._ids = itertools.count(1)
+        self._calls = Reopening(lambda: _Call(stub))
 
     def open(self, request_id: str, skip_special_tokens: bool) -> MuxStream:
         """A new generation's stream (nothing is sent until its first ``push``)."""
-        if self._current is None or self._current.error is not None:
-            self._current = _Call(self._stub)
-        return MuxStream(self._current, next(self._ids), request_id, skip_special_tokens)
+        return MuxStream(*self._calls.next(), request_id, skip_special_tokens)
 
     async def close(self) -> None:
-        if (current := self._current) is not None:
-            self._current = None
-            await current.close()
+        await self._calls.close()
 
 
 class MuxStream:

@@ -12,7 +12,6 @@ it fail with UNAVAILABLE and the next one opens a new call.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from typing import Protocol
 
@@ -22,7 +21,7 @@ from grpc import aio
 from aiserve.common.errors import ApiError, DeadlineExceeded, Unavailable
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway.backends import downstream_error
-from services.gateway.shared_call import SharedCall, fresh, item_error
+from services.gateway.shared_call import Reopening, SharedCall, fresh, item_error
 
 _Item = inference_pb2.InferenceResponse | ApiError | RuntimeError
 
@@ -72,20 +71,14 @@ class GenerateMux:
     """Starts ``MuxGeneration``s over a shared GenerateMux call."""
 
     def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
-        self._stub = stub
-        self._current: _Call | None = None
-        self._ids = itertools.count(1)
+        self._calls = Reopening(lambda: _Call(stub))
 
     def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> MuxGeneration:
         """Start ``request`` with ``timeout_s`` to its deadline (it is queued on the call now)."""
-        if self._current is None or self._current.error is not None:
-            self._current = _Call(self._stub)
-        return MuxGeneration(self._current, next(self._ids), request, timeout_s)
+        return MuxGeneration(*self._calls.next(), request, timeout_s)
 
     async def close(self) -> None:
-        if (current := self._current) is not None:
-            self._current = None
-            await current.close()
+        await self._calls.close()
 
 
 class MuxGeneration:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -115,6 +116,30 @@ class SharedCall(ABC, Generic[ItemT]):
         if isinstance(error, ApiError):
             return error
         return Unavailable(f"{self.service} unavailable: the {self.what} call failed with {code.name}: {details}")
+
+
+CallT = TypeVar("CallT", bound="SharedCall[Any]")
+
+
+class Reopening(Generic[CallT]):
+    """An owner's current shared call, opened on first use and again once it broke, and the
+    numbers of the generations put on it (unique for the owner's life)."""
+
+    def __init__(self, open_call: Callable[[], CallT]) -> None:
+        self._open_call = open_call
+        self._current: CallT | None = None
+        self._ids = itertools.count(1)
+
+    def next(self) -> tuple[CallT, int]:
+        """The live call and a new generation's number on it."""
+        if self._current is None or self._current.error is not None:
+            self._current = self._open_call()
+        return self._current, next(self._ids)
+
+    async def close(self) -> None:
+        if (current := self._current) is not None:
+            self._current = None
+            await current.close()
 
 
 def fresh(error: ApiError) -> ApiError:
