@@ -30,6 +30,7 @@ from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
 from services.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Seq
+from services.inference.speculative import NgramDrafter
 from services.inference.torch_thread import adopt_thread_count
 
 log = get_logger("batch_engine")
@@ -50,6 +51,8 @@ class EngineStats:
     num_steps: int
     num_generated_tokens: int
     num_preemptions: int
+    num_draft_tokens: int
+    num_accepted_draft_tokens: int
 
 
 @dataclass(eq=False)
@@ -155,7 +158,8 @@ class BatchEngine:
                 s.num_running, s.num_waiting, self.cache.total_bytes, used,
                 self.cache.total_bytes - used, prefix.num_lookups if prefix else 0,
                 prefix.num_hits if prefix else 0, prefix.num_hit_tokens if prefix else 0,
-                self._num_steps, self._num_generated, s.num_preemptions)
+                self._num_steps, self._num_generated, s.num_preemptions, s.num_draft_tokens,
+                s.num_accepted_tokens)
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
@@ -248,6 +252,9 @@ class BatchEngine:
         stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_ids)
         seq = Seq(list(prompt), len(prompt), request.max_new_tokens, request.priority,
                   request.deadline, stop_ids)
+        params = request.params
+        if self.scheduler.config.num_speculative_tokens and params.is_greedy and params.repetition_penalty == 1.0:
+            seq.drafter = NgramDrafter()  # drafts are verified by argmax: greedy rows only
         sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
         record = _Record(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
                          bytes_per_token=self.cache.layout.bytes_per_token)
@@ -326,13 +333,13 @@ class BatchEngine:
         with self._lock:
             grown = self.scheduler.update(output, sampled)
             self._num_steps += 1
-            self._num_generated += len(grown)
+            self._num_generated += sum(count for _, count in grown)
             for chunk in output.chunks:
                 if (record := self._records.get(chunk.seq)) is not None:
                     record.compute_s += elapsed_s
-            for seq in grown:
+            for seq, count in grown:
                 record = self._records[seq]
-                posts.append((record, record.event((seq.token_ids[-1],), seq.finish_reason)))
+                posts.append((record, record.event(tuple(seq.token_ids[-count:]), seq.finish_reason)))
                 if seq.is_finished:
                     del self._records[seq]
             self._lock.notify_all()

@@ -63,6 +63,13 @@ class InferenceConfig(ServiceConfig):
     """Share of kv_cache_bytes kept for reusable prompt prefixes; 0 disables prefix caching."""
     prefix_block_size: int = 16
     """Tokens per prefix block; prefixes are matched in whole blocks."""
+    num_speculative_tokens: int = 2
+    """Speculative decoding for greedy requests: draft tokens a sequence may add to a step,
+    found by n-gram lookup in its own prompt and output and verified in the same forward (the
+    output is unchanged); 0 disables it. 0..16."""
+    speculative_max_step_tokens: int = 32
+    """Drafts only fill a step up to this many tokens (small steps compute them almost free;
+    max_num_batched_tokens bounds every step anyway). 0..1048576."""
 
     def validate(self) -> None:
         super().validate()
@@ -83,7 +90,8 @@ class InferenceConfig(ServiceConfig):
     def scheduler_config(self) -> SchedulerConfig:
         """The scheduler's share of these settings."""
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_queue,
-                               self.batch_wait_ms, self.enable_preemption)
+                               self.batch_wait_ms, self.enable_preemption, self.num_speculative_tokens,
+                               self.speculative_max_step_tokens)
 
     def kv_cache_config(self) -> KVCacheConfig:
         """The KV cache's share of these settings."""

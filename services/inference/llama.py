@@ -142,13 +142,15 @@ class ForwardBatch:
     positions: torch.Tensor  # [N]
     cache_rows: torch.Tensor  # [N*KVH] row of each new K/V in a layer's [S*KVH*T, D] view
     logits_rows: torch.Tensor  # [R] stream rows whose logits are returned, in row order
-    num_single: int  # stream rows [0, num_single) are one-token rows, sorted by slot
+    num_single: int  # stream rows [0, num_single) are decode rows (a token, maybe drafts), by slot
     single_lo: int
     single_hi: int
-    single_len: int  # keys read per one-token row (the longest context among them)
-    single_index: torch.Tensor | None  # [num_single] row in [0, hi-lo); None: rows == slots
-    single_mask: torch.Tensor | None  # [hi-lo, 1, 1, L] bool
+    single_len: int  # keys read per decode row (the longest context among them)
+    single_index: torch.Tensor | None  # [num_single] place in the [hi-lo, width] grid, flattened;
+    # None: one token per slot and rows == slots
+    single_mask: torch.Tensor | None  # [hi-lo, 1, width*G or 1, L] bool
     spans: tuple[PrefillSpan, ...]
+    single_width: int = 1  # tokens per slot in the decode rows' attention call (1 + drafts)
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
@@ -403,14 +405,20 @@ class LlamaModel:
         n, kvh, g, d = q.shape[0], c.num_kv_heads, c.num_groups, c.head_dim
         scale = d**-0.5
         if batch.num_single:
-            lo, hi, length = batch.single_lo, batch.single_hi, batch.single_len
+            lo, hi, length, w = batch.single_lo, batch.single_hi, batch.single_len, batch.single_width
             qs = q[: batch.num_single]  # [Ns, H, D]
-            if batch.single_index is not None:  # slots in [lo, hi) without a query get zeros
-                qs = q.new_zeros(hi - lo, c.num_heads, d).index_copy_(0, batch.single_index, qs)
+            if batch.single_index is not None:  # grid places without a query get zeros
+                qs = q.new_zeros((hi - lo) * w, c.num_heads, d).index_copy_(0, batch.single_index, qs)
+            if w == 1:
+                qs = qs.view(hi - lo, kvh, g, d)
+            else:  # a slot's drafts are more queries of its own: [hi-lo, KVH, w*G, D], (token, group)
+                qs = qs.view(hi - lo, w, kvh, g, d).transpose(1, 2).reshape(hi - lo, kvh, w * g, d)
             out = F.scaled_dot_product_attention(
-                qs.view(hi - lo, kvh, g, d), kc[lo:hi, :, :length], vc[lo:hi, :, :length],
-                attn_mask=masks.single, scale=scale,
-            ).reshape(hi - lo, c.num_heads * d)  # [hi-lo, H*D]
+                qs, kc[lo:hi, :, :length], vc[lo:hi, :, :length], attn_mask=masks.single, scale=scale,
+            )  # [hi-lo, KVH, w*G, D]
+            if w != 1:
+                out = out.view(hi - lo, kvh, w, g, d).transpose(1, 2)
+            out = out.reshape((hi - lo) * w, c.num_heads * d)  # [(hi-lo)*w, H*D]
             if batch.single_index is not None:
                 out = out[batch.single_index]
             if not batch.spans:

@@ -16,6 +16,7 @@ from services.inference.kv_cache import KVCache
 from services.inference.llama import ForwardBatch, LlamaConfig, LlamaModel, PrefillSpan
 from services.inference.sampler import SamplingParams, sample
 from services.inference.scheduler import SchedulerOutput, Seq
+from services.inference.speculative import accept
 
 
 class KVCacheError(RuntimeError):
@@ -32,12 +33,22 @@ class RowSampling:
 
 @dataclass(frozen=True, slots=True)
 class BatchRow:
-    """One sequence's new tokens in a step: ``token_ids`` at positions ``start``.. of ``slot``."""
+    """One sequence's new tokens in a step: ``token_ids`` at positions ``start``.. of ``slot``.
+
+    ``num_drafts`` > 0: the last ``num_drafts`` ids are guesses to verify (speculative decoding);
+    the row then returns the logits of its last ``1 + num_drafts`` positions.
+    """
 
     slot: int
     start: int
     token_ids: Sequence[int]
     needs_logits: bool
+    num_drafts: int = 0
+
+    @property
+    def is_decode(self) -> bool:
+        """One token to compute plus its drafts: it joins the decode rows' attention call."""
+        return len(self.token_ids) == 1 + self.num_drafts
 
 
 class ModelRunner:
@@ -47,8 +58,9 @@ class ModelRunner:
         self.model = model
         self.cache = cache
 
-    def execute(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[int]:
-        """Apply the step; returns one new id per sampled chunk, in chunk order.
+    def execute(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
+        """Apply the step; returns, per sampled chunk in chunk order, the ids it made: one, plus
+        one per draft the model confirmed.
 
         Raises KVCacheError when a cache copy fails, anything else from the forward/sampling
         (then only this step's sequences are affected).
@@ -65,25 +77,33 @@ class ModelRunner:
             raise KVCacheError(f"prefix save failed: {exc}") from exc
         return ids
 
-    def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[int]:
-        rows = [BatchRow(c.slot, c.start, c.token_ids, c.is_sampled) for c in output.chunks]
+    def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
+        rows = [BatchRow(c.slot, c.start, c.token_ids, c.is_sampled, c.num_drafts) for c in output.chunks]
         batch = build_batch(rows, self.model.config, self.cache.plan.slot_len, self.model.device)
-        logits = self.model.forward(batch, self.cache.k, self.cache.v)  # [R, V]
-        seqs = [c.seq for c in output.chunks if c.is_sampled]
-        if not seqs:
+        logits = self.model.forward(batch, self.cache.k, self.cache.v)  # [R, V]; 1 + drafts per chunk
+        chunks = [c for c in output.chunks if c.is_sampled]
+        if not chunks:
             return []
-        picks = [sampling[s] for s in seqs]
-        ids = sample(logits, [p.params for p in picks], [p.generator for p in picks],
-                     [s.token_ids for s in seqs])  # [R]
-        return [int(i) for i in ids.tolist()]
+        # A drafted chunk's rows are greedy like its sequence (drafters are only given to those).
+        picks = [sampling[c.seq] for c in chunks for _ in range(1 + c.num_drafts)]
+        seen = [c.seq.token_ids for c in chunks for _ in range(1 + c.num_drafts)]
+        flat = sample(logits, [p.params for p in picks], [p.generator for p in picks], seen).tolist()  # [R]
+        made: list[tuple[int, ...]] = []
+        at = 0
+        for c in chunks:
+            ids = [int(i) for i in flat[at : at + 1 + c.num_drafts]]
+            at += 1 + c.num_drafts
+            made.append(tuple(ids[: accept(c.token_ids[len(c.token_ids) - c.num_drafts :], ids) + 1]))
+        return made
 
 
 def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
                 device: torch.device) -> ForwardBatch:
-    """Rows -> the device tensors of one forward. One-token rows go first, sorted by slot, so
-    they form one attention call; logits come back in ``rows`` order."""
-    singles = sorted((i for i, r in enumerate(rows) if len(r.token_ids) == 1), key=lambda i: rows[i].slot)
-    order = singles + [i for i, r in enumerate(rows) if len(r.token_ids) > 1]
+    """Rows -> the device tensors of one forward. Decode rows (one token, maybe with drafts) go
+    first, sorted by slot, so they form one attention call; prefill chunks follow, one span
+    each. Logits come back in ``rows`` order (a drafted row's ``1 + num_drafts`` in a run)."""
+    singles = sorted((i for i, r in enumerate(rows) if r.is_decode), key=lambda i: rows[i].slot)
+    order = singles + [i for i, r in enumerate(rows) if not r.is_decode]
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -99,30 +119,50 @@ def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
     pos_t, slot_t = torch.tensor(positions), torch.tensor(slots)  # [N], [N]
     heads = torch.arange(config.num_kv_heads)  # [KVH]
     cache_rows = (slot_t[:, None] * config.num_kv_heads + heads) * slot_len + pos_t[:, None]  # [N, KVH]
-    logits_rows = [first[i] + len(r.token_ids) - 1 for i, r in enumerate(rows) if r.needs_logits]
-    lo, hi, length, index, mask = _single_rows([rows[i] for i in singles], device)
+    logits_rows = [j for i, r in enumerate(rows) if r.needs_logits
+                   for j in range(first[i] + len(r.token_ids) - 1 - r.num_drafts, first[i] + len(r.token_ids))]
+    decode = _decode_rows([rows[i] for i in singles], config.num_groups, device)
     spans = tuple(_span(first[i], rows[i], config.num_groups, device) for i in order[len(singles):])
     return ForwardBatch(
         torch.tensor(ids, device=device), pos_t.to(device), cache_rows.reshape(-1).to(device),
-        torch.tensor(logits_rows, dtype=torch.long, device=device), len(singles), lo, hi, length,
-        index, mask, spans)
+        torch.tensor(logits_rows, dtype=torch.long, device=device), sum(len(rows[i].token_ids) for i in singles),
+        decode.lo, decode.hi, decode.length, decode.index, decode.mask, spans, decode.width)
 
 
-def _single_rows(rows: Sequence[BatchRow], device: torch.device
-                 ) -> tuple[int, int, int, torch.Tensor | None, torch.Tensor | None]:
-    """Slot range [lo, hi), keys read, row index (None when rows == slots) and mask of the
-    one-token rows (sorted by slot)."""
+@dataclass(frozen=True, slots=True)
+class _DecodeRows:
+    lo: int = 0
+    hi: int = 0
+    length: int = 0
+    index: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+    width: int = 1
+
+
+def _decode_rows(rows: Sequence[BatchRow], num_groups: int, device: torch.device) -> _DecodeRows:
+    """Slot range [lo, hi), keys read, grid index and mask of the decode rows (sorted by slot).
+
+    The attention call sees a grid of ``width`` (the most tokens in a row) queries per slot of
+    [lo, hi); the index places each token in it (None when every slot has one token). A query
+    attends to its own context; grid places without a token read key 0 (finite, discarded).
+    """
     if not rows:
-        return 0, 0, 0, None, None
+        return _DecodeRows()
     lo, hi = rows[0].slot, rows[-1].slot + 1
-    length = max(r.start + 1 for r in rows)
-    context = torch.ones(hi - lo, dtype=torch.long)  # slots without a row read key 0 (finite)
-    context[[r.slot - lo for r in rows]] = torch.tensor([r.start + 1 for r in rows])
-    mask = (torch.arange(length) < context[:, None])[:, None, None, :]  # [hi-lo, 1, 1, L]
+    width = max(len(r.token_ids) for r in rows)
+    length = max(r.start + len(r.token_ids) for r in rows)
+    context = torch.ones(hi - lo, width, dtype=torch.long)  # [hi-lo, width]
+    places = [(r.slot - lo) * width + j for r in rows for j in range(len(r.token_ids))]
+    context.view(-1)[places] = torch.tensor([r.start + j + 1 for r in rows for j in range(len(r.token_ids))])
+    visible = torch.arange(length) < context[..., None]  # [hi-lo, width, L]
+    if width == 1:
+        mask = visible[:, None]  # [hi-lo, 1, 1, L]: the same for every group
+    else:  # queries are (token, group) in that order: [hi-lo, 1, width*G, L]
+        mask = visible.repeat_interleave(num_groups, dim=1)[:, None]
     index = None
-    if len(rows) != hi - lo:
-        index = torch.tensor([r.slot - lo for r in rows], device=device)
-    return lo, hi, length, index, mask.to(device)
+    if len(places) != hi - lo or width != 1:
+        index = torch.tensor(places, device=device)
+    return _DecodeRows(lo, hi, length, index, mask.to(device), width)
 
 
 def _span(first: int, row: BatchRow, num_groups: int, device: torch.device) -> PrefillSpan:

@@ -25,6 +25,7 @@ from typing import Literal
 from aiserve.common.config import require
 from aiserve.common.errors import ResourceExhausted
 from services.inference.prefix_index import BlockCopy, PrefixIndex
+from services.inference.speculative import NgramDrafter
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "deadline"]
 
@@ -46,6 +47,12 @@ class SchedulerConfig:
     enable_preemption: bool = True
     """When every slot is taken, a waiting request of higher priority evicts the
     lowest-priority running sequence, which is recomputed when it is admitted again."""
+    num_speculative_tokens: int = 2
+    """Draft tokens a decoding sequence with a drafter may add to a step (verified in the same
+    forward, kept while the model agrees); 0 = no speculative decoding."""
+    speculative_max_step_tokens: int = 32
+    """Drafts only fill a step up to this many tokens: a small step reads the weights anyway
+    and computes the drafts almost for free, a large one pays for each draft row."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -57,6 +64,10 @@ class SchedulerConfig:
                 f"max_queue_len: must be 1..100000, got {self.max_queue_len}")
         require(0.0 <= self.batch_wait_ms <= 10_000,
                 f"batch_wait_ms: must be 0..10000 ms, got {self.batch_wait_ms}")
+        require(0 <= self.num_speculative_tokens <= 16,
+                f"num_speculative_tokens: must be 0..16, got {self.num_speculative_tokens}")
+        require(0 <= self.speculative_max_step_tokens <= 1 << 20,
+                f"speculative_max_step_tokens: must be 0..{1 << 20}, got {self.speculative_max_step_tokens}")
 
 
 class SeqStatus(enum.Enum):
@@ -86,6 +97,8 @@ class Seq:
     num_preemptions: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens taken from the prefix store at the last admission."""
+    drafter: NgramDrafter | None = None
+    """Proposes draft tokens (speculative decoding); set only for greedy sequences."""
     arrival_no: int = field(default=-1, repr=False)
 
     @property
@@ -111,6 +124,8 @@ class ScheduledChunk:
     token_ids: tuple[int, ...]
     is_sampled: bool
     """The chunk reaches the end of the token list, so a new token is sampled after it."""
+    num_drafts: int = 0
+    """The last ``num_drafts`` ids are guesses past the token list, verified by this step."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +181,8 @@ class Scheduler:
         self._moves: list[SlotMove] = []
         self._finished: list[Seq] = []
         self.num_preemptions = 0
+        self.num_draft_tokens = 0  # drafts computed
+        self.num_accepted_tokens = 0  # drafts the model confirmed (tokens gained)
 
     @property
     def num_waiting(self) -> int:
@@ -213,28 +230,38 @@ class Scheduler:
         chunks, saves = self._assign_budget(now)
         return self._output(chunks, loads, saves)
 
-    def update(self, output: SchedulerOutput, sampled_ids: Sequence[int]) -> list[Seq]:
-        """Account a finished step; ``sampled_ids`` holds one id per sampled chunk, in order.
+    def update(self, output: SchedulerOutput, sampled: Sequence[Sequence[int]]) -> list[tuple[Seq, int]]:
+        """Account a finished step. ``sampled`` holds, per sampled chunk in order, the ids the
+        step made for it: one, plus one per draft the model confirmed (``speculative.accept``).
 
-        Returns the sequences that got a new token; those that finished have left the batch.
+        Returns each sequence that grew and by how many ids (a stop id or max_new_tokens cuts
+        the rest); those that finished have left the batch.
         """
-        for chunk in output.chunks:  # first all progress, so slot moves copy every new K/V
-            if chunk.seq.status is SeqStatus.RUNNING:
-                chunk.seq.num_computed_tokens += len(chunk.token_ids)
-        ids = iter(sampled_ids)
-        grown: list[Seq] = []
-        for chunk in (c for c in output.chunks if c.is_sampled):
-            seq, token = chunk.seq, next(ids)
-            if seq.status is not SeqStatus.RUNNING:
+        picks = iter(sampled)
+        made = [(c, tuple(next(picks)) if c.is_sampled else ()) for c in output.chunks]
+        for chunk, ids in made:  # first all progress, so slot moves copy every new K/V
+            if chunk.seq.status is SeqStatus.RUNNING:  # a confirmed draft's K/V is computed
+                chunk.seq.num_computed_tokens += len(chunk.token_ids) - chunk.num_drafts + max(len(ids) - 1, 0)
+        grown: list[tuple[Seq, int]] = []
+        for chunk, ids in made:
+            seq = chunk.seq
+            if not ids or seq.status is not SeqStatus.RUNNING:
                 continue
-            seq.token_ids.append(token)
-            grown.append(seq)
-            if token in seq.stop_token_ids:
-                self._remove(seq)
-                self._finish(seq, "stop", report=False)
-            elif seq.num_output_tokens >= seq.max_new_tokens:
-                self._remove(seq)
-                self._finish(seq, "length", report=False)
+            self.num_draft_tokens += chunk.num_drafts
+            self.num_accepted_tokens += len(ids) - 1
+            count = 0
+            for token in ids:
+                seq.token_ids.append(token)
+                count += 1
+                if token in seq.stop_token_ids:
+                    self._remove(seq)
+                    self._finish(seq, "stop", report=False)
+                    break
+                if seq.num_output_tokens >= seq.max_new_tokens:
+                    self._remove(seq)
+                    self._finish(seq, "length", report=False)
+                    break
+            grown.append((seq, count))
         if self.prefix is not None:
             self.prefix.commit()
         return grown
@@ -357,7 +384,26 @@ class Scheduler:
                 pairs = self.prefix.insert(seq.token_ids[: seq.num_prompt_tokens])
                 if pairs:  # the prompt's K/V is complete after this step: keep its blocks
                     saves.append(BlockCopy(seq.slot, pairs))
+        self._add_drafts(chunks, min(budget, self.config.speculative_max_step_tokens
+                                     - (self.config.max_num_batched_tokens - budget)))
         return chunks, saves
+
+    def _add_drafts(self, chunks: list[ScheduledChunk], room: int) -> None:
+        """Give decoding sequences with a drafter up to ``num_speculative_tokens`` drafts each,
+        in the chunks' order, within ``room`` tokens. Drafts never pass max_new_tokens."""
+        for i, chunk in enumerate(chunks):
+            if room <= 0 or not self.config.num_speculative_tokens:
+                return
+            seq = chunk.seq
+            if seq.drafter is None or not chunk.is_sampled or len(chunk.token_ids) != 1:
+                continue
+            limit = min(self.config.num_speculative_tokens, room,
+                        seq.max_new_tokens - seq.num_output_tokens - 1)
+            drafts = seq.drafter.propose(seq.token_ids, limit)
+            if drafts:
+                chunks[i] = ScheduledChunk(seq, chunk.slot, chunk.start, chunk.token_ids + drafts, True,
+                                           len(drafts))
+                room -= len(drafts)
 
     @property
     def _block_size(self) -> int:

@@ -66,6 +66,10 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(p + "steps", "Engine steps", value=s.num_steps)
         yield CounterMetricFamily(p + "generated_tokens", "Tokens generated", value=s.num_generated_tokens)
         yield CounterMetricFamily(p + "preemptions", "Sequences preempted", value=s.num_preemptions)
+        yield CounterMetricFamily(p + "draft_tokens", "Draft tokens computed (speculative decoding)",
+                                  value=s.num_draft_tokens)
+        yield CounterMetricFamily(p + "accepted_draft_tokens", "Draft tokens the model confirmed",
+                                  value=s.num_accepted_draft_tokens)
 
 
 COLLECTOR = EngineCollector()
@@ -78,7 +82,8 @@ def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.In
         kv_share_of_rss=s.kv_total_bytes / rss if rss else 0.0, rss_bytes=rss,
         prefix_lookups=s.prefix_lookups, prefix_hits=s.prefix_hits, prefix_hit_tokens=s.prefix_hit_tokens,
         num_steps=s.num_steps, num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs, num_draft_tokens=s.num_draft_tokens,
+        num_accepted_draft_tokens=s.num_accepted_draft_tokens,
     )
 
 

@@ -184,3 +184,32 @@ async def test_drain_refuses_new_requests(engine: BatchEngine) -> None:
     assert await engine.drain(timeout_s=30)
     with pytest.raises(Unavailable):
         await collect(engine, request(prompts(1)[0]))
+
+
+async def test_speculative_decoding_keeps_the_greedy_output(model: LlamaModel) -> None:
+    """Drafts are verified in the step that computes them: greedy requests give the same tokens
+    with speculative decoding as without, in fewer steps, while a sampled request beside them
+    gets no drafts and keeps its seeded text."""
+    phrase = prompts(3, seed=6)[2]  # 14 random ids, said three times: the model repeats them
+    reqs = [request(phrase * 3 + tail, f"g{i}", max_new=30) for i, tail in enumerate(((5,), (6, 7), ()))]
+    sampled = request(prompts(1, seed=7)[0], "s", max_new=10,  # shorter: the greedy ones set the steps
+                      params=SamplingParams(temperature=0.8, seed=42))
+    results: dict[int, list[list[int]]] = {}
+    steps: dict[int, int] = {}
+    for k in (0, 2):
+        engine = make_engine(model, num_speculative_tokens=k)
+        engine.start()
+        try:
+            results[k] = [ids for ids, _ in await asyncio.gather(*(collect(engine, r) for r in (*reqs, sampled)))]
+            stats = engine.stats()
+        finally:
+            await engine.stop()
+        steps[k] = stats.num_steps
+        assert stats.num_generated_tokens == 3 * 30 + 10
+        if k:
+            assert stats.num_accepted_draft_tokens > 0
+            assert stats.num_draft_tokens >= stats.num_accepted_draft_tokens
+        else:
+            assert stats.num_draft_tokens == 0
+    assert results[2] == results[0]
+    assert steps[2] < steps[0]

@@ -172,6 +172,47 @@ def test_family_members_match_transformers(kind: str, tmp_path: Path) -> None:
     assert compare(our_logits(ours, prompts, conts), ref, prompts) < 1e-4
 
 
+def drafted_logits(model: LlamaModel, prompts: Sequence[list[int]], continuations: Sequence[list[int]],
+                   slot_len: int = 64) -> list[torch.Tensor]:
+    """Per sequence, the logits [1 + drafts, V] of one verify step after its prefill: sequence
+    i feeds its first continuation token plus ``i % 3`` more as drafts (0, 1 or 2), so one
+    attention call holds rows of different widths; sequence 1 also sits out of that step and
+    is fed afterwards alone, with a prefill span beside it."""
+    c = model.config
+    shape = (c.num_layers, len(prompts) + 1, c.num_kv_heads, slot_len, c.head_dim)
+    k = torch.zeros(shape, dtype=model.dtype, device=model.device)
+    v = torch.zeros(shape, dtype=model.dtype, device=model.device)
+
+    def run(rows: list[BatchRow]) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            logits = model.forward(build_batch(rows, c, slot_len, model.device), k, v).float().cpu()
+        return list(logits.split([1 + r.num_drafts for r in rows if r.needs_logits]))
+
+    run([BatchRow(i, 0, p, True) for i, p in enumerate(prompts)])
+    def verify(i: int) -> BatchRow:
+        return BatchRow(i, len(prompts[i]), continuations[i][: 1 + i % 3], True, i % 3)
+    out = dict(zip([i for i in range(len(prompts)) if i != 1],
+                   run([verify(i) for i in range(len(prompts)) if i != 1]), strict=True))
+    out[1] = run([verify(1), BatchRow(len(prompts), 0, prompts[0], False)])[0]
+    return [out[i] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2", "mistral"])
+def test_drafted_rows_match_transformers_at_every_draft(kind: str, tmp_path: Path) -> None:
+    """Speculative decoding's verify step: a decode row with drafts returns, at each of its
+    positions, the logits transformers gives for the same sequence."""
+    folder = tiny(kind, tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = LlamaModel.load(folder, CPU, torch.float32)
+    prompts, conts = inputs(97, seed=3)
+    ref = hf_logits(hf, [p + c for p, c in zip(prompts, conts, strict=True)])
+    got = drafted_logits(ours, prompts, conts)
+    assert [g.shape[0] for g in got] == [1 + i % 3 for i in range(len(prompts))]
+    for i, p in enumerate(prompts):
+        expected = ref[i][len(p) : len(p) + got[i].shape[0]]
+        assert (got[i] - expected).abs().max().item() < 1e-4, f"sequence {i}"
+
+
 CUDA_ONLY = pytest.mark.skipif(not torch.cuda.is_available(),
                                reason="no CUDA device here; scripts/device_check.sh runs these on a lent GPU")
 

@@ -46,7 +46,7 @@ def seq(prompt_len: int = 4, max_new: int = 4, priority: int = 0, deadline: floa
 
 def step(s: Scheduler, token: int = TOKEN) -> SchedulerOutput:
     out = s.schedule()
-    s.update(out, [token] * sum(c.is_sampled for c in out.chunks))
+    s.update(out, [(token,)] * sum(c.is_sampled for c in out.chunks))
     return out
 
 
@@ -81,7 +81,7 @@ def test_finished_sequence_leaves_at_once_and_the_last_slot_fills_the_hole() -> 
         s.add(x)
     step(s)
     out = s.schedule()
-    s.update(out, [STOP if ch.seq is a else TOKEN for ch in out.chunks])
+    s.update(out, [(STOP,) if ch.seq is a else (TOKEN,) for ch in out.chunks])
     assert a.is_finished and a.finish_reason == "stop" and a.slot is None
     assert s.num_running == 2 and [x.slot for x in s.running] == [0, 1]
     out = s.schedule()
@@ -203,7 +203,7 @@ def test_shared_prefix_is_computed_once_and_loaded_later() -> None:
     second = Seq(list(range(10)) + [60, 61, 62], 13, 2)
     s.add(second)
     assert prefix.match(second.token_ids, 12) == ()  # pending until the step commits
-    s.update(out, [TOKEN])
+    s.update(out, [(TOKEN,)])
     out = s.schedule()
     load = next(c for c in out.prefix_loads if c.slot == second.slot)
     assert load.blocks == ((0, 0), (1, 1))  # tokens 0..7 shared; block 2 differs
