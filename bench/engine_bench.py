@@ -8,9 +8,10 @@ measured in the same run on the same machine, bf16, greedy.
     HF (a few requests, expressed as a rate);
 (b) one request alone vs HF on one request; (c) a mixed workload (arrivals spread over time,
     max_new_tokens 16-256) vs static HF batches at the same concurrency, with TTFT and
-    inter-token latency (``--rounds`` runs of each, in turn; medians); (d) the batch-size sweep
-    (in-process engine, fixed-length outputs): throughput and latency against max_num_seqs,
-    with the knee marked.
+    inter-token latency (``--rounds`` runs of each, in turn; medians), and again on a second
+    suite with speculative decoding off, to show what continuous batching alone gives;
+    (d) the batch-size sweep (in-process engine, fixed-length outputs): throughput and latency
+    against max_num_seqs, with the knee marked.
 The gateway has no ignore_eos, so (a)-(c) count useful completion tokens (up to and including
 each answer's EOS) on both sides, with prompts that ask for long answers.
 Writes bench/results/engine.json and engine.png.
@@ -115,7 +116,7 @@ def hf_sequential(hf: HF, batch: Sequence[Sequence[int]], max_new: int) -> dict[
 def hf_static_mixed(hf: HF, work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
     """Static batches of ``concurrency`` in arrival order: a batch starts once its last request
     has arrived and the previous batch is done, and runs until its longest request ends."""
-    clock, tokens, ttft, itl = 0.0, 0, [], []
+    clock, tokens, ttft, itl, tpot = 0.0, 0, [], [], []
     for i in range(0, len(work), concurrency):
         group = work[i : i + concurrency]
         start = max(clock, max(a.at_s for a in group))
@@ -127,8 +128,10 @@ def hf_static_mixed(hf: HF, work: Sequence[Arrival], concurrency: int) -> dict[s
             tokens += n
             ttft.append((start - a.at_s + seconds / steps) * 1000)  # the batch's first step
             itl.extend([seconds / steps * 1000] * max(n - 1, 0))
+            if n > 1:
+                tpot.append(seconds / steps * 1000)
     return {"useful_tokens": tokens, "seconds": clock, "tokens_per_s": tokens / clock,
-            "ttft": percentiles(ttft), "inter_token": percentiles(itl)}
+            "ttft": percentiles(ttft), "inter_token": percentiles(itl), "time_per_token": percentiles(tpot)}
 
 
 # --- the served engine -------------------------------------------------------------------------
@@ -146,7 +149,20 @@ class Timing:
     tokens: int = 0
     ttft_ms: float = 0.0
     gaps_ms: list[float] = field(default_factory=list)
+    """Between messages: with speculative decoding a message may carry several tokens."""
     total_ms: float = 0.0
+    decode_ms: float = 0.0
+    """From the first token to the last."""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for one token."""
+        return self.decode_ms / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def tpot(timings: Sequence[Timing]) -> dict[str, float]:
+    """Percentiles over requests of their time per output token."""
+    return percentiles([t.tpot_ms for t in timings if t.tpot_ms is not None] or [0.0])
 
 
 async def _consume(call: Any, started: float, count: Any) -> Timing:
@@ -161,6 +177,7 @@ async def _consume(call: Any, started: float, count: Any) -> Timing:
                 timing.gaps_ms.append((now - last) * 1000)
             last, timing.tokens = now, timing.tokens + n
     timing.total_ms = (time.perf_counter() - started) * 1000
+    timing.decode_ms = (last - started) * 1000 - timing.ttft_ms if timing.tokens else 0.0
     return timing
 
 
@@ -202,7 +219,8 @@ class Served:
         tokens = sum(t.tokens for t in timings)
         return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                 "ttft": percentiles([t.ttft_ms for t in timings]),
-                "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0])}
+                "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
+                "time_per_token": tpot(timings)}
 
 
 # --- the batch-size sweep ----------------------------------------------------------------------
@@ -218,14 +236,7 @@ async def sweep_one(model: LlamaModel, eos: frozenset[int], size: int, prompt_id
         async def one(i: int) -> Timing:
             req = GenerateRequest(request_id=f"s{i}", prompt_token_ids=tuple(prompt_ids[i % len(prompt_ids)]),
                                   max_new_tokens=new_tokens, ignore_eos=True)
-            timing, started, last = Timing(), time.perf_counter(), 0.0
-            async for event in engine.generate(req):
-                now = time.perf_counter()
-                if timing.tokens:
-                    timing.gaps_ms.append((now - last) * 1000)
-                last, timing.tokens = now, timing.tokens + len(event.token_ids)
-            timing.total_ms = (time.perf_counter() - started) * 1000
-            return timing
+            return await _consume(engine.generate(req), time.perf_counter(), lambda e: len(e.token_ids))
 
         t0 = time.perf_counter()
         timings = await asyncio.gather(*(one(i) for i in range(n)))
@@ -235,7 +246,29 @@ async def sweep_one(model: LlamaModel, eos: frozenset[int], size: int, prompt_id
     tokens = sum(t.tokens for t in timings)
     return {"max_num_seqs": size, "requests": n, "tokens_per_s": tokens / seconds,
             "latency": percentiles([t.total_ms for t in timings]),
-            "inter_token": percentiles([g for t in timings for g in t.gaps_ms])}
+            "inter_token": percentiles([g for t in timings for g in t.gaps_ms]), "time_per_token": tpot(timings)}
+
+
+async def start_suite(home: Path, store: ModelStore, env: dict[str, str] | None = None) -> Suite:
+    """The four services on free ports under ``home``, over ``store``, with settings ``env``."""
+    config = SuiteConfig.for_tests(home)
+    config.extra_env.update({"AISERVE_MODEL_STORE": str(store.root), **(env or {})})
+    suite = Suite(config)
+    try:
+        await suite.start(timeout_s=300)
+    except BaseException:
+        suite.stop()
+        raise
+    return suite
+
+
+async def speculation_stats(suite: Suite) -> dict[str, Any]:
+    """Drafted and confirmed tokens since the inference service started (its Stats RPC)."""
+    async with aio.insecure_channel(suite.config.address("inference")) as channel:
+        s = await inference_pb2_grpc.InferenceStub(channel).Stats(inference_pb2.InferenceStatsRequest(), timeout=30)
+    return {"draft_tokens": s.num_draft_tokens, "accepted_draft_tokens": s.num_accepted_draft_tokens,
+            "generated_tokens": s.num_generated_tokens, "steps": s.num_steps,
+            "acceptance": s.num_accepted_draft_tokens / max(s.num_draft_tokens, 1)}
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -245,10 +278,11 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 
 def knee(points: Sequence[dict[str, Any]]) -> int:
-    """The first size past which throughput grows < 10% while p50 latency grows > 50%."""
+    """The first size past which throughput grows < 10% while p50 time per output token grows
+    > 50% (per token, not per message: with speculative decoding a message may carry several)."""
     for a, b in zip(points, points[1:], strict=False):
         gain = b["tokens_per_s"] / a["tokens_per_s"] - 1
-        slower = b["inter_token"]["p50_ms"] / max(a["inter_token"]["p50_ms"], 1e-9) - 1
+        slower = b["time_per_token"]["p50_ms"] / max(a["time_per_token"]["p50_ms"], 1e-9) - 1
         if gain < 0.10 and slower > 0.50:
             return int(a["max_num_seqs"])
     return int(points[-1]["max_num_seqs"])
@@ -270,9 +304,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[0].set(title="(a) 64 concurrent x 64 tokens, bf16", ylabel="useful tokens/s")
     axes[0].tick_params(axis="x", rotation=20)
     c = report["c_mixed"]
-    labels = ["HF static", "engine direct", "engine via gateway"]
-    axes[1].bar(labels, [c["hf_static"]["tokens_per_s"], c["direct"]["tokens_per_s"], c["gateway"]["tokens_per_s"]],
-                color=["grey", "tab:blue", "tab:orange"])
+    off = c["no_speculation"]
+    labels = ["HF static", "direct", "via gateway", "direct,\nno spec.", "via gateway,\nno spec."]
+    axes[1].bar(labels, [c["hf_static"]["tokens_per_s"], c["direct"]["tokens_per_s"], c["gateway"]["tokens_per_s"],
+                         off["direct"]["tokens_per_s"], off["gateway"]["tokens_per_s"]],
+                color=["grey", "tab:blue", "tab:orange", "lightsteelblue", "navajowhite"])
     axes[1].set(title=f"(c) mixed, concurrency {c['concurrency']}", ylabel="useful tokens/s")
     pts = report["d_sweep"]["points"]
     sizes = [p["max_num_seqs"] for p in pts]
@@ -280,8 +316,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
     axes[2].set(title="(d) batch-size sweep", xlabel="max_num_seqs", ylabel="tokens/s", xscale="log", xticks=sizes)
     axes[2].set_xticklabels([str(s) for s in sizes])
     twin = axes[2].twinx()
-    twin.plot(sizes, [p["inter_token"]["p50_ms"] for p in pts], "s--", color="tab:red", label="p50 inter-token ms")
-    twin.plot(sizes, [p["inter_token"]["p99_ms"] for p in pts], "^:", color="tab:red", label="p99 inter-token ms")
+    twin.plot(sizes, [p["time_per_token"]["p50_ms"] for p in pts], "s--", color="tab:red", label="p50 ms per token")
+    twin.plot(sizes, [p["time_per_token"]["p99_ms"] for p in pts], "^:", color="tab:red", label="p99 ms per token")
     twin.set_ylabel("ms")
     axes[2].axvline(report["d_sweep"]["knee"], color="k", linestyle=":", label="knee")
     axes[2].legend(loc="upper left")
@@ -312,11 +348,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     print("served and HF ...", flush=True)
     with tempfile.TemporaryDirectory() as home:
-        config = SuiteConfig.for_tests(Path(home))
-        config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
-        suite = Suite(config)
+        suite = await start_suite(Path(home), store)
         try:
-            await suite.start(timeout_s=300)
             served = Served(suite, suite.dev_key_path.read_text().strip())
             hf = HF(folder, eos)  # loaded beside the idle suite: the two never run at once
             full = [Arrival(0.0, t, i, 64) for t, i in zip(texts, ids, strict=True)]
@@ -341,8 +374,22 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 mixed_runs["gateway"].append(await served.run(mixed, "gateway", args.concurrency))
                 mixed_runs["direct"].append(await served.run(mixed, "inference", args.concurrency))
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
-                 **{name: median_run(samples) for name, samples in mixed_runs.items()}}
+                 **{name: median_run(samples) for name, samples in mixed_runs.items()},
+                 "speculation": await speculation_stats(suite)}
             del hf
+        finally:
+            suite.stop()
+    print("(c) with speculative decoding off ...", flush=True)
+    with tempfile.TemporaryDirectory() as home:
+        suite = await start_suite(Path(home), store, {"AISERVE_INFERENCE_NUM_SPECULATIVE_TOKENS": "0"})
+        try:
+            served = Served(suite, suite.dev_key_path.read_text().strip())
+            await served.run(full[:2], "gateway")
+            off_runs: dict[str, list[dict[str, Any]]] = {"gateway": [], "direct": []}
+            for _ in range(args.rounds):
+                off_runs["gateway"].append(await served.run(mixed, "gateway", args.concurrency))
+                off_runs["direct"].append(await served.run(mixed, "inference", args.concurrency))
+            c["no_speculation"] = {name: median_run(samples) for name, samples in off_runs.items()}
         finally:
             suite.stop()
     a["ratio_gateway_vs_hf_static"] = a["gateway"]["tokens_per_s"] / a["hf_static"]["tokens_per_s"]
@@ -354,6 +401,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     b["ratio_direct_vs_hf"] = b["direct"]["tokens_per_s"] / b["hf"]["tokens_per_s"]
     c["ratio_gateway_vs_hf_static"] = c["gateway"]["tokens_per_s"] / c["hf_static"]["tokens_per_s"]
     c["ratio_direct_vs_hf_static"] = c["direct"]["tokens_per_s"] / c["hf_static"]["tokens_per_s"]
+    for name in ("gateway", "direct"):
+        off = c["no_speculation"]
+        off[f"ratio_{name}_vs_hf_static"] = off[name]["tokens_per_s"] / c["hf_static"]["tokens_per_s"]
     report.update(a_64_concurrent=a, b_alone=b, c_mixed=c)
     return report
 
@@ -377,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (RESULTS / "engine.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / "engine.png")
     print(json.dumps({k: v for k, v in report.items() if k != "d_sweep"}, indent=1)[:4000])
-    print("sweep:", [(p["max_num_seqs"], round(p["tokens_per_s"]), p["inter_token"]["p50_ms"]) for p in
+    print("sweep:", [(p["max_num_seqs"], round(p["tokens_per_s"]), p["time_per_token"]["p50_ms"]) for p in
                      report["d_sweep"]["points"]], "knee", report["d_sweep"]["knee"])
     return 0
 

@@ -3,7 +3,9 @@
 A greedy sequence often repeats itself or its prompt: names, phrases, code, lists. The drafter
 looks up the sequence's last ``n`` tokens (longest ``n`` first, ``max_ngram`` down to
 ``min_ngram``) at their most recent earlier place in the prompt + output, and proposes the
-tokens that followed there. The engine computes the drafts with the sequence's next token in
+tokens that followed there. The defaults (4, then 3 tokens) are measured: 2-token matches in
+the first tokens of an answer were confirmed 13-21% of the time, 3-token ones 64-71%, and each
+step with a draft pays ~2-3 ms more attention at 16 rows (docs/engine.md). The engine computes the drafts with the sequence's next token in
 one forward and keeps the longest run the model agrees with (``accept``), so the output is the
 greedy output; a rejected draft costs one row of the step and nothing else. No draft model, no
 extra memory beyond a dictionary per sequence.
@@ -24,7 +26,7 @@ class NgramDrafter:
 
     __slots__ = ("max_ngram", "min_ngram", "_index", "_indexed")
 
-    def __init__(self, min_ngram: int = 2, max_ngram: int = 3) -> None:
+    def __init__(self, min_ngram: int = 3, max_ngram: int = 4) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"ngram sizes: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
