@@ -5,10 +5,12 @@ looks up the sequence's last ``n`` tokens (longest ``n`` first, ``max_ngram`` do
 ``min_ngram``) at their most recent earlier place in the prompt + output, and proposes the
 tokens that followed there. The defaults (4, then 3 tokens) are measured: 2-token matches in
 the first tokens of an answer were confirmed 13-21% of the time, 3-token ones 64-71%, and each
-step with a draft pays ~2-3 ms more attention at 16 rows (docs/engine.md). The engine computes the drafts with the sequence's next token in
-one forward and keeps the longest run the model agrees with (``accept``), so the output is the
-greedy output; a rejected draft costs one row of the step and nothing else. No draft model, no
-extra memory beyond a dictionary per sequence.
+step with a draft pays ~2-3 ms more attention at 16 rows (docs/engine.md).
+
+The engine computes the drafts with the sequence's next token in one forward and keeps the
+longest run the model agrees with (``accept``), so the output is the greedy output; a rejected
+draft costs its row of the step (and its share of the wider attention call), nothing is rolled
+back. No draft model, no extra memory beyond a dictionary per sequence.
 """
 
 from __future__ import annotations
