@@ -183,6 +183,11 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             return cache_pb2.StoreResponse(entry_id=entry.entry_id)
         except InvalidArgument:
             outcome = "refused"
+            # Read the rest of the stream first (and drop it): answered while the client still
+            # writes, the status races its next write, and the client may see that write fail
+            # (INTERNAL "Internal error from Core") instead of the field that was refused.
+            async for _ in request_iterator:
+                pass
             raise
         finally:
             STORES.labels(outcome).inc()
