@@ -18,7 +18,15 @@ from grpc import aio
 from aiserve.suite import Suite
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
-from tests.integration.conftest import auth, create_tenant, dev_key, ledger_rows, log_records, new_request_id
+from tests.integration.conftest import (
+    auth,
+    create_tenant,
+    dev_key,
+    eventually,
+    ledger_rows,
+    log_records,
+    new_request_id,
+)
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, complete, stream
 
 MODEL = "smollm2-135m-instruct@0.1.2"
@@ -56,8 +64,12 @@ async def test_missing_unknown_and_revoked_keys_are_unauthenticated_and_recorded
             error = await rpc_error(stub.Complete(request, metadata=(*metadata, ("x-request-id", rid)), timeout=30))
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error.details()
             assert "authorization" in error.details()
-    refused = [r for r in ledger_rows(suite.config.home) if r.request_id == rid]
-    assert [(r.tenant, r.status, r.cost_micros) for r in refused] == [("", "UNAUTHENTICATED", 0)] * 3
+    def refused() -> list[tuple[str, str, int]]:
+        return [(r.tenant, r.status, r.cost_micros) for r in ledger_rows(suite.config.home) if r.request_id == rid]
+
+    # A refusal's row is queued for the ledger, not awaited before the status (it costs nothing).
+    await eventually(lambda: len(refused()) >= 3, what="the three refusals in the ledger")
+    assert refused() == [("", "UNAUTHENTICATED", 0)] * 3
 
 
 async def test_requests_per_minute_reject_exactly_the_first_request_over_the_limit(suite: Suite) -> None:
