@@ -15,7 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from aiserve.store import Manifest, ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
-from services.inference.server import create_server
+from services.inference.server import COLLECTOR, create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT_S = 60.0
@@ -73,6 +73,27 @@ async def test_stats_reports_the_engine(channel: aio.Channel) -> None:
     assert (after.num_running, after.num_waiting, after.max_num_seqs) == (0, 0, 1)
     assert after.kv_total_bytes == after.kv_used_bytes + after.kv_free_bytes > 0
     assert 0 < after.kv_share_of_rss < 1 and after.rss_bytes > after.kv_total_bytes
+
+
+async def test_confirmed_drafts_arrive_as_several_ids_and_are_counted(channel: aio.Channel) -> None:
+    """Speculative decoding (on by default for greedy requests) over gRPC: a prompt that
+    repeats itself gets drafts, a message may carry several ids, Stats counts them."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    before = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
+    phrase = [504, 3458, 282, 260, 6370, 314, 7042, 30, 198]  # a phrase, said four times
+    request = inference_pb2.InferenceRequest(
+        prompt_token_ids=phrase * 4, decoding=inference_pb2.Decoding(max_new_tokens=18, ignore_eos=True))
+    messages = [m async for m in stub.Generate(request, timeout=TIMEOUT_S)]
+    after = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
+    assert sum(len(m.token_ids) for m in messages) == messages[-1].completion_tokens == 18
+    assert max(len(m.token_ids) for m in messages) > 1 and len(messages) < 18
+    accepted = after.num_accepted_draft_tokens - before.num_accepted_draft_tokens
+    assert accepted == 18 - len(messages)  # each message is one step: one id + its confirmed drafts
+    assert after.num_draft_tokens - before.num_draft_tokens >= accepted
+    # the Prometheus view reads the same snapshot
+    metrics = {m.name: m.samples[0].value for m in COLLECTOR.collect()}
+    assert metrics["aiserve_inference_accepted_draft_tokens"] >= after.num_accepted_draft_tokens
+    assert metrics["aiserve_inference_draft_tokens"] >= after.num_draft_tokens > 0
 
 
 async def test_request_id_defaults_to_the_metadata_one(channel: aio.Channel) -> None:
