@@ -252,9 +252,8 @@ class BatchEngine:
         stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else self.eos_ids)
         seq = Seq(list(prompt), len(prompt), request.max_new_tokens, request.priority,
                   request.deadline, stop_ids)
-        params = request.params
-        if self.scheduler.config.num_speculative_tokens and params.is_greedy and params.repetition_penalty == 1.0:
-            seq.drafter = NgramDrafter()  # drafts are verified by argmax: greedy rows only
+        if self.scheduler.config.num_speculative_tokens and request.params.is_argmax:
+            seq.drafter = NgramDrafter()  # drafts are verified against the argmax
         sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
         record = _Record(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
                          bytes_per_token=self.cache.layout.bytes_per_token)

@@ -84,7 +84,7 @@ class ModelRunner:
         chunks = [c for c in output.chunks if c.is_sampled]
         if not chunks:
             return []
-        # A drafted chunk's rows are greedy like its sequence (drafters are only given to those).
+        # A drafted chunk's rows pick by argmax like its sequence (drafters are only given to those).
         picks = [sampling[c.seq] for c in chunks for _ in range(1 + c.num_drafts)]
         seen = [c.seq.token_ids for c in chunks for _ in range(1 + c.num_drafts)]
         flat = sample(logits, [p.params for p in picks], [p.generator for p in picks], seen).tolist()  # [R]
@@ -93,7 +93,7 @@ class ModelRunner:
         for c in chunks:
             ids = [int(i) for i in flat[at : at + 1 + c.num_drafts]]
             at += 1 + c.num_drafts
-            made.append(tuple(ids[: accept(c.token_ids[len(c.token_ids) - c.num_drafts :], ids) + 1]))
+            made.append(tuple(ids[: accept(c.drafts, ids) + 1]))
         return made
 
 

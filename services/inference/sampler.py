@@ -35,6 +35,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_argmax(self) -> bool:
+        """The pick is the argmax of the logits alone: greedy, no repetition penalty."""
+        return self.is_greedy and self.repetition_penalty == 1.0
+
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidArgument naming the first field out of range and its limit."""
         checks = (
@@ -136,11 +141,11 @@ def sample(
     """
     if not len(params) == len(generators) == len(seen_ids) == logits.shape[0]:
         raise ValueError("sample: logits, params, generators and seen_ids differ in batch size")
-    rows = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not rows and all(p.repetition_penalty == 1.0 for p in params):
+    if all(p.is_argmax for p in params):
         # Greedy only: the maximum in the logits' own dtype is at the same id (widening a float
         # is exact), without a float32 copy of [B, V].
         return _argmax(logits)
+    rows = [i for i, p in enumerate(params) if not p.is_greedy]
     logits = logits.to(torch.float32, copy=True)  # [B, V]
     logits = _apply_repetition_penalty(logits, params, seen_ids)
     ids = _argmax(logits)  # [B]; the answer of greedy rows

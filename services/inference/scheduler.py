@@ -127,6 +127,10 @@ class ScheduledChunk:
     num_drafts: int = 0
     """The last ``num_drafts`` ids are guesses past the token list, verified by this step."""
 
+    @property
+    def drafts(self) -> tuple[int, ...]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
+
 
 @dataclass(frozen=True, slots=True)
 class SlotMove:
@@ -384,15 +388,16 @@ class Scheduler:
                 pairs = self.prefix.insert(seq.token_ids[: seq.num_prompt_tokens])
                 if pairs:  # the prompt's K/V is complete after this step: keep its blocks
                     saves.append(BlockCopy(seq.slot, pairs))
-        self._add_drafts(chunks, min(budget, self.config.speculative_max_step_tokens
-                                     - (self.config.max_num_batched_tokens - budget)))
+        if self.config.num_speculative_tokens:
+            used = self.config.max_num_batched_tokens - budget
+            self._add_drafts(chunks, min(budget, self.config.speculative_max_step_tokens - used))
         return chunks, saves
 
     def _add_drafts(self, chunks: list[ScheduledChunk], room: int) -> None:
         """Give decoding sequences with a drafter up to ``num_speculative_tokens`` drafts each,
         in the chunks' order, within ``room`` tokens. Drafts never pass max_new_tokens."""
         for i, chunk in enumerate(chunks):
-            if room <= 0 or not self.config.num_speculative_tokens:
+            if room <= 0:
                 return
             seq = chunk.seq
             if seq.drafter is None or not chunk.is_sampled or len(chunk.token_ids) != 1:
