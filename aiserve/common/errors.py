@@ -1,20 +1,38 @@
-"""Domain errors that map to one precise gRPC status each (DESIGN.md §4).
+"""Domain errors, one kind each, that the caller sees as one precise status (docs/architecture.md,
+"Status codes").
 
-Core code raises these; the server interceptor turns them into statuses, so no core module
-imports grpc. Anything else that escapes an RPC is a bug and becomes INTERNAL.
+Core code raises these; it never imports grpc. ``aiserve/common/status.py`` maps a kind to its
+gRPC status code at the edge (the server interceptor, the multiplexed calls' per-stream codes,
+a backend's status read back by the gateway). Anything else that escapes an RPC is a bug and
+becomes INTERNAL.
 """
 
 from __future__ import annotations
 
-import grpc
+import enum
 
 RETRY_AFTER_KEY = "retry-after-ms"
 
 
-class ApiError(Exception):
-    """An error the caller should see with ``code`` and ``message``."""
+class ErrorKind(enum.Enum):
+    """What went wrong, as a caller must see it. Each name is the gRPC status code it maps to."""
 
-    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+    INVALID_ARGUMENT = enum.auto()
+    NOT_FOUND = enum.auto()
+    FAILED_PRECONDITION = enum.auto()
+    RESOURCE_EXHAUSTED = enum.auto()
+    DEADLINE_EXCEEDED = enum.auto()
+    UNAVAILABLE = enum.auto()
+    UNAUTHENTICATED = enum.auto()
+    CANCELLED = enum.auto()
+    INTERNAL = enum.auto()
+    UNKNOWN = enum.auto()
+
+
+class ApiError(Exception):
+    """An error the caller should see with its ``kind`` and ``message``."""
+
+    kind: ErrorKind = ErrorKind.UNKNOWN
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -25,24 +43,29 @@ class ApiError(Exception):
         """Metadata sent with the status (e.g. a retry hint); none by default."""
         return ()
 
+    def fresh(self) -> ApiError:
+        """A new instance with the same kind and message: one exception object raised in many
+        tasks would share (and keep rewriting) one traceback."""
+        return error_of(self.kind, self.message)
+
 
 class InvalidArgument(ApiError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+    kind = ErrorKind.INVALID_ARGUMENT
 
 
 class NotFound(ApiError):
-    code = grpc.StatusCode.NOT_FOUND
+    kind = ErrorKind.NOT_FOUND
 
 
 class FailedPrecondition(ApiError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+    kind = ErrorKind.FAILED_PRECONDITION
 
 
 class ResourceExhausted(ApiError):
     """Over a limit. ``retry_after_ms``, when known, goes out as trailing metadata
     ``retry-after-ms``: the wait after which a retry can succeed."""
 
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    kind = ErrorKind.RESOURCE_EXHAUSTED
 
     def __init__(self, message: str, retry_after_ms: int | None = None) -> None:
         super().__init__(message)
@@ -54,14 +77,43 @@ class ResourceExhausted(ApiError):
             return ()
         return ((RETRY_AFTER_KEY, str(max(self.retry_after_ms, 0))),)
 
+    def fresh(self) -> ApiError:
+        return ResourceExhausted(self.message, self.retry_after_ms)
+
 
 class DeadlineExceeded(ApiError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    kind = ErrorKind.DEADLINE_EXCEEDED
 
 
 class Unavailable(ApiError):
-    code = grpc.StatusCode.UNAVAILABLE
+    kind = ErrorKind.UNAVAILABLE
 
 
 class Unauthenticated(ApiError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+    kind = ErrorKind.UNAUTHENTICATED
+
+
+class Cancelled(ApiError):
+    kind = ErrorKind.CANCELLED
+
+
+class Internal(ApiError):
+    """A backend reported a bug; the message already names what failed."""
+
+    kind = ErrorKind.INTERNAL
+
+
+_BY_KIND: dict[ErrorKind, type[ApiError]] = {
+    cls.kind: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded,
+                              Unavailable, Unauthenticated, Cancelled, Internal)
+}
+
+
+def error_of(kind: ErrorKind, message: str) -> ApiError:
+    """The ApiError of ``kind`` (UNKNOWN and kinds without a class of their own: ApiError)."""
+    cls = _BY_KIND.get(kind)
+    if cls is None:
+        error = ApiError(message)
+        error.kind = kind
+        return error
+    return cls(message)

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiserve.common.errors import InvalidArgument
+from aiserve.common.finish import STORABLE
 
-# Only normally finished generations are stored (DESIGN.md §2, step 6).
-STORABLE_FINISH_REASONS = ("stop", "length")
 SCHEMA_VERSION = 2
 _TOKEN_ID_BYTES = 4  # token ids are stored as little-endian uint32
 _DELTA_BYTES = 8  # a delta is stored as two little-endian uint32: characters, tokens
@@ -246,10 +245,8 @@ class ExactCache:
         "stop"/"length", a ttl_s outside (0, ttl_s], or an entry over ``max_entry_bytes``.
         """
         _validate(scope, prompt)
-        if finish_reason not in STORABLE_FINISH_REASONS:
-            raise InvalidArgument(
-                f"finish_reason: only {'/'.join(STORABLE_FINISH_REASONS)} answers are stored,"
-                f" got {finish_reason!r}")
+        if finish_reason not in STORABLE:  # only normally finished generations are stored
+            raise InvalidArgument(f"finish_reason: only stop/length answers are stored, got {finish_reason!r}")
         ttl = self.ttl_s if not ttl_s else ttl_s
         if not 0 < ttl <= self.ttl_s:
             raise InvalidArgument(f"ttl_s: must be in (0, {self.ttl_s}] seconds, got {ttl_s}")

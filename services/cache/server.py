@@ -18,16 +18,17 @@ from grpc import aio
 from prometheus_client import Counter, Gauge, Histogram
 
 from aiserve.common.errors import InvalidArgument
+from aiserve.common.finish import STORABLE, FinishReason
 from aiserve.common.logging import get_logger
+from aiserve.common.pb_enums import finish_reason_from_pb, finish_reason_to_pb
 from aiserve.common.server import ServiceHandle, new_server, run_service
-from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
+from aiserve.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder, Vector
-from services.cache.exact import STORABLE_FINISH_REASONS, CacheScope, ExactCache
+from services.cache.exact import CacheScope, ExactCache
 from services.cache.semantic import Hit, MatchRule, SemanticCache
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
-_FINISH_PREFIX = "FINISH_REASON_"
 _TIERS = {"exact": cache_pb2.MATCH_TIER_EXACT, "semantic": cache_pb2.MATCH_TIER_SEMANTIC}
 _SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99, 1.0)
 
@@ -54,23 +55,11 @@ def scope_from_pb(scope: cache_pb2.CacheScope) -> CacheScope:
     return CacheScope(model=scope.model, tenant=scope.tenant, params=scope.params, context=scope.context)
 
 
-def finish_reason_from_pb(value: int) -> str:
-    """FINISH_REASON_STOP -> "stop"; unknown numbers -> "unknown" (refused by the store)."""
-    try:
-        return common_pb2.FinishReason.Name(value).removeprefix(_FINISH_PREFIX).lower()
-    except ValueError:
-        return "unknown"
-
-
-def finish_reason_to_pb(reason: str) -> common_pb2.FinishReason:
-    return common_pb2.FinishReason.Value(_FINISH_PREFIX + reason.upper())
-
-
 def hit_to_pb(hit: Hit) -> cache_pb2.LookupResponse:
     entry, reply = hit.entry, cache_pb2.LookupResponse(hit=True)
     reply.text, reply.entry_id, reply.similarity = entry.text, entry.entry_id, hit.similarity
     reply.token_ids.extend(entry.token_ids)
-    reply.finish_reason, reply.tier = finish_reason_to_pb(entry.finish_reason), _TIERS[hit.tier]
+    reply.finish_reason, reply.tier = finish_reason_to_pb(FinishReason(entry.finish_reason)), _TIERS[hit.tier]
     chars = tokens = 0
     for num_chars, num_tokens in entry.deltas:
         reply.deltas.add(text=entry.text[chars:chars + num_chars],
@@ -91,7 +80,7 @@ class _StoreStream:
         self.token_ids: list[int] = []
         self.deltas: list[tuple[int, int]] = []
         self.num_bytes = ExactCache.entry_bytes(self.prompt, self.query, "", 0, 0)
-        self.finish: str | None = None
+        self.finish: FinishReason | None = None
 
     def add(self, message: cache_pb2.StoreRequest) -> None:
         part = message.WhichOneof("part")
@@ -106,10 +95,11 @@ class _StoreStream:
             if self.num_bytes > self.max_entry_bytes:
                 raise InvalidArgument(f"entry: over max_entry_bytes {self.max_entry_bytes}; nothing stored")
         elif part == "finish":
-            self.finish = finish_reason_from_pb(message.finish.finish_reason)
-            if self.finish not in STORABLE_FINISH_REASONS:
-                raise InvalidArgument(f"finish_reason: only {'/'.join(STORABLE_FINISH_REASONS)} answers are"
-                                      f" stored, got {self.finish!r}")
+            finish = finish_reason_from_pb(message.finish.finish_reason)
+            if finish not in STORABLE:
+                raise InvalidArgument(f"finish_reason: only stop/length answers are stored, "
+                                      f"got {finish.value if finish else 'none'!r}")
+            self.finish = finish
         else:
             raise InvalidArgument(f"{part or 'part'}: only the first message of a Store stream is a header")
 

@@ -174,7 +174,7 @@ class RequestAccount:
         if exc is None:
             return "OK"
         if isinstance(exc, ApiError):
-            return exc.code.name
+            return exc.kind.name
         if isinstance(exc, asyncio.CancelledError | GeneratorExit):
             expired = self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
             return "DEADLINE_EXCEEDED" if expired else "CANCELLED"

@@ -15,17 +15,10 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
-from aiserve.common.errors import (
-    ApiError,
-    DeadlineExceeded,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-    Unavailable,
-)
+from aiserve.common.errors import ApiError, ErrorKind, FailedPrecondition, NotFound, Unavailable, error_of
 from aiserve.common.interceptors import downstream_channel
 from aiserve.common.logging import get_logger
+from aiserve.common.status import kind_of
 from aiserve.v1 import (
     cache_pb2,
     cache_pb2_grpc,
@@ -39,14 +32,9 @@ from services.gateway.config import GatewayConfig
 INFO_TIMEOUT_S = 5.0
 log = get_logger("backends")
 
-_PASS_THROUGH: dict[grpc.StatusCode, type[ApiError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
-    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
-    grpc.StatusCode.UNAVAILABLE: Unavailable,
-}
+# A backend's status that is the caller's own mistake (or a limit) reaches the caller as it is.
+_PASS_THROUGH = frozenset({ErrorKind.INVALID_ARGUMENT, ErrorKind.NOT_FOUND, ErrorKind.FAILED_PRECONDITION,
+                           ErrorKind.RESOURCE_EXHAUSTED, ErrorKind.DEADLINE_EXCEEDED})
 
 
 def status_error(service: str, code: grpc.StatusCode, details: str) -> ApiError | RuntimeError:
@@ -55,8 +43,8 @@ def status_error(service: str, code: grpc.StatusCode, details: str) -> ApiError 
     which the server interceptor reports as INTERNAL)."""
     if code == grpc.StatusCode.UNAVAILABLE:
         return Unavailable(f"{service} unavailable: {details}")
-    if (kind := _PASS_THROUGH.get(code)) is not None:
-        return kind(details)
+    if (kind := kind_of(code)) in _PASS_THROUGH:
+        return error_of(kind, details)
     return RuntimeError(f"{service} failed with {code.name}: {details}")
 
 

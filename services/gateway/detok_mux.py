@@ -18,7 +18,7 @@ import asyncio
 
 from aiserve.common.errors import ApiError, DeadlineExceeded
 from aiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.gateway.shared_call import Reopening, SharedCall, fresh, item_error
+from services.gateway.shared_call import Reopening, SharedCall, item_error
 
 
 class _Call(SharedCall[tokenizer_pb2.DetokenizeMuxItem]):
@@ -42,7 +42,7 @@ class _Call(SharedCall[tokenizer_pb2.DetokenizeMuxItem]):
     def on_fail(self, error: ApiError) -> None:
         for future in self.waiting.values():
             if not future.done():
-                future.set_exception(fresh(error))
+                future.set_exception(error.fresh())
         self.waiting.clear()
 
 
@@ -95,7 +95,7 @@ class MuxStream:
     async def _send(self, item: tokenizer_pb2.DetokenizeMuxItem, timeout_s: float) -> str:
         current = self._current
         if current.error is not None:
-            raise fresh(current.error)  # the call broke: this generation's detokenizer state is gone
+            raise current.error.fresh()  # the call broke: this generation's detokenizer state is gone
         if not self._started:
             item.start, item.skip_special_tokens, item.request_id = True, self._skip, self._request_id
             self._started = True

@@ -21,7 +21,7 @@ from grpc import aio
 from aiserve.common.errors import ApiError, DeadlineExceeded, Unavailable
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.gateway.backends import downstream_error
-from services.gateway.shared_call import Reopening, SharedCall, fresh, item_error
+from services.gateway.shared_call import Reopening, SharedCall, item_error
 
 _Item = inference_pb2.InferenceResponse | ApiError | RuntimeError
 
@@ -49,7 +49,7 @@ class _Call(SharedCall[inference_pb2.GenerateMuxItem]):
 
     def on_fail(self, error: ApiError) -> None:
         for queue in self.streams.values():
-            queue.put_nowait(fresh(error))
+            queue.put_nowait(error.fresh())
         self.streams.clear()
 
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 import grpc
 
 from aiserve.common.errors import Unavailable
+from aiserve.common.finish import STORABLE, FinishReason
 from aiserve.common.logging import get_logger
+from aiserve.common.pb_enums import finish_reason_from_pb, finish_reason_to_pb
 from aiserve.v1 import cache_pb2, common_pb2, inference_pb2, tokenizer_pb2
 from services.gateway.backends import Backends, RouteInfo, downstream_error
 from services.gateway.cache_client import CacheKey, StoreStream, cache_key, replay
@@ -28,13 +30,6 @@ from services.gateway.validation import Sampling, fit_prompt
 
 log = get_logger("pipeline")
 
-_FINISH_FROM_PB = {
-    common_pb2.FINISH_REASON_STOP: "stop",
-    common_pb2.FINISH_REASON_LENGTH: "length",
-    common_pb2.FINISH_REASON_CANCELLED: "cancelled",
-    common_pb2.FINISH_REASON_ERROR: "error",
-}
-FINISH_TO_PB = {v: k for k, v in _FINISH_FROM_PB.items()}
 _TRUNCATED = "[truncated-left:"  # prefix of a prompt cut to fit: a distinct cache key, never matched by meaning
 
 
@@ -84,7 +79,7 @@ class UsageRecord:
 
 @dataclass(frozen=True, slots=True)
 class Final:
-    finish_reason: str
+    finish_reason: FinishReason
     usage: UsageRecord
 
 
@@ -132,7 +127,7 @@ class Pipeline:
                 ms = _ms_since(started)
                 usage = self._usage(len(prompt.token_ids), len(hit.token_ids), route.model, 0, ms, ms,
                                     cache_hit=True, similarity=hit.similarity, entry_id=hit.entry_id)
-                yield Final(_FINISH_FROM_PB.get(hit.finish_reason, "stop"), usage)
+                yield Final(finish_reason_from_pb(hit.finish_reason) or FinishReason.STOP, usage)
                 return
         store = self._store(key, deadline) if use_cache else None  # streams into the cache as it goes
         try:
@@ -151,7 +146,7 @@ class Pipeline:
                     yield Chunk(delta, ids)
                 final_pb = last or final_pb
             # No finish reason on the last message read: a stop string ended it (we cancelled).
-            finish = _FINISH_FROM_PB.get(final_pb.finish_reason, "stop") if final_pb else "stop"
+            finish = (finish_reason_from_pb(final_pb.finish_reason) if final_pb else None) or FinishReason.STOP
             usage = self._usage(
                 len(prompt.token_ids), len(token_ids), route.model,
                 final_pb.queue_ms if final_pb else 0, ttft_ms or _ms_since(started), _ms_since(started),
@@ -159,8 +154,8 @@ class Pipeline:
                 kv_peak_bytes=final_pb.kv_peak_bytes if final_pb else 0,
             )
             yield Final(finish, usage)
-            if store is not None and finish in {"stop", "length"}:
-                await store.commit(FINISH_TO_PB[finish])  # only a normally finished answer is kept
+            if store is not None and finish in STORABLE:
+                await store.commit(finish_reason_to_pb(finish))  # only a normally finished answer is kept
         finally:
             if store is not None:
                 store.abort()  # a cancelled or failed generation leaves nothing behind (no-op after commit)

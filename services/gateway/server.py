@@ -13,6 +13,7 @@ from prometheus_client import Counter
 from aiserve.common.context import current_request_id, traceparent_var
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.logging import get_logger
+from aiserve.common.pb_enums import finish_reason_to_pb
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.accounting import Accounting, RequestAccount
@@ -21,7 +22,6 @@ from services.gateway.cache_client import checked_min_similarity
 from services.gateway.config import GatewayConfig
 from services.gateway.ledger import Totals
 from services.gateway.pipeline import (
-    FINISH_TO_PB,
     Chunk,
     Final,
     GatewayRequest,
@@ -154,7 +154,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
                 else:
                     yield gateway_pb2.GenerateResponse(
-                        request_id=account.request_id, finish_reason=FINISH_TO_PB[item.finish_reason],
+                        request_id=account.request_id, finish_reason=finish_reason_to_pb(item.finish_reason),
                         usage=usage_to_pb(item.usage),
                     )
 
@@ -170,7 +170,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     texts.append(item.text_delta)
                     reply.token_ids.extend(item.token_ids)
                 else:
-                    reply.finish_reason = FINISH_TO_PB[item.finish_reason]
+                    reply.finish_reason = finish_reason_to_pb(item.finish_reason)
                     reply.usage.CopyFrom(usage_to_pb(item.usage))
             reply.text = "".join(texts)
             return reply

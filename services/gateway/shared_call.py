@@ -27,12 +27,12 @@ from grpc import aio
 
 from aiserve.common.errors import ApiError, Unavailable
 from aiserve.common.logging import get_logger
+from aiserve.common.status import code_of_number
 from services.gateway.backends import status_error
 
 log = get_logger("shared_call")
 
 ItemT = TypeVar("ItemT")
-CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class SharedCall(ABC, Generic[ItemT]):
@@ -58,7 +58,7 @@ class SharedCall(ABC, Generic[ItemT]):
 
     @abstractmethod
     def on_fail(self, error: ApiError) -> None:
-        """Fail every generation still waiting on the call (a fresh exception each: ``fresh``)."""
+        """Fail every generation still waiting on the call (a fresh exception each: ``ApiError.fresh``)."""
 
     def send(self, item: ItemT) -> None:
         """Queue ``item`` for the next message (the caller checks ``error`` first)."""
@@ -142,12 +142,6 @@ class Reopening(Generic[CallT]):
             await current.close()
 
 
-def fresh(error: ApiError) -> ApiError:
-    """A new instance per generation: one exception object raised in many tasks would share
-    (and keep rewriting) one traceback."""
-    return type(error)(error.message)
-
-
 def item_error(service: str, code: int, message: str) -> ApiError | RuntimeError:
     """The error of one generation's item, from the code and message its answer carries."""
-    return status_error(service, CODES.get(code, grpc.StatusCode.UNKNOWN), message)
+    return status_error(service, code_of_number(code), message)

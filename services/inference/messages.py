@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 from aiserve.common.context import current_request_id
-from aiserve.v1 import common_pb2, inference_pb2
+from aiserve.common.pb_enums import finish_reason_to_pb
+from aiserve.v1 import inference_pb2
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
-
-_FINISH = {
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "cancelled": common_pb2.FINISH_REASON_CANCELLED,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
 
 
 def from_pb(request: inference_pb2.InferenceRequest, deadline: float | None) -> GenerateRequest:
@@ -41,7 +35,7 @@ def to_pb(request_id: str, event: TokenEvent) -> inference_pb2.InferenceResponse
     """domain -> pb; the counters (running totals) go on every message."""
     return inference_pb2.InferenceResponse(
         request_id=request_id, token_ids=event.token_ids,
-        finish_reason=_FINISH[event.finish_reason] if event.finish_reason else common_pb2.FINISH_REASON_UNSPECIFIED,
+        finish_reason=finish_reason_to_pb(event.finish_reason),
         prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens,
         queue_ms=round(event.queue_ms), compute_ms=round(event.compute_ms), kv_peak_bytes=event.kv_peak_bytes,
     )

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from aiserve.common.finish import FinishReason
 from services.inference.sampler import SamplingParams
-
-FinishReason = Literal["stop", "length", "cancelled", "error"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
