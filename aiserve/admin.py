@@ -13,9 +13,9 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from aiserve.common.config import aiserve_home
-from services.gateway.ledger import COLUMNS, LEDGER_FILE, Ledger
-from services.gateway.tenants import KEYS_FILE, TIERS, KeyStore, Tenant, TenantError
+from aiserve.common.paths import KEYS_FILE, LEDGER_FILE, aiserve_home
+from services.gateway.ledger import COLUMNS, Ledger
+from services.gateway.tenants import TIERS, KeyStore, Tenant, TenantError
 
 
 def _home(args: argparse.Namespace) -> Path:

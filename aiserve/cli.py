@@ -18,13 +18,13 @@ import time
 from pathlib import Path
 
 from aiserve.admin import add_commands
-from aiserve.common.config import aiserve_home
-from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError, default_store_path
+from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
+from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from aiserve.suite import Suite, SuiteConfig
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
-    return ModelStore(Path(args.store) if args.store else default_store_path())
+    return ModelStore(model_store_path(args.store or ""))
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -106,10 +106,10 @@ async def _first_exit(suite: Suite) -> str:
 def cmd_chat(args: argparse.Namespace) -> int:
     from aiserve.client import chat, read_key
 
-    key = args.key or os.environ.get("AISERVE_API_KEY") or read_key(aiserve_home() / "dev.key")
+    key = args.key or os.environ.get("AISERVE_API_KEY") or read_key(aiserve_home() / DEV_KEY_FILE)
     if not key:
         print(f"aiserve: no API key: pass --key, set AISERVE_API_KEY, or start the suite (it writes "
-              f"{aiserve_home() / 'dev.key'})", file=sys.stderr)
+              f"{aiserve_home() / DEV_KEY_FILE})", file=sys.stderr)
         return 2
     return asyncio.run(chat(args.address, args.prompt, args.max_new_tokens, args.raw, args.timeout, key))
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,8 +21,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from aiserve.model_facts import CONFIG_FILE, TOKENIZER_FILE
+
 MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.json"
 _CHUNK_BYTES = 1 << 20
 
 
@@ -73,6 +73,15 @@ class ModelRef:
         return f"{self.name}@{self.version}"
 
 
+def is_model_ref(text: str) -> bool:
+    """Whether ``text`` is a valid ``name@version`` (what the services' settings require)."""
+    try:
+        ModelRef.parse(text)
+    except ModelStoreError:
+        return False
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Manifest:
     """What ``manifest.json`` says about one model version."""
@@ -108,13 +117,6 @@ class Manifest:
             source=dict(data.get("source", {})),
             created_at=data.get("created_at", ""),
         )
-
-
-def default_store_path() -> Path:
-    """``$AISERVE_MODEL_STORE``, else ``$AISERVE_HOME/models``, else ``var/models``."""
-    if store := os.environ.get("AISERVE_MODEL_STORE"):
-        return Path(store)
-    return Path(os.environ.get("AISERVE_HOME", "var")) / "models"
 
 
 def sha256_file(path: Path) -> str:
@@ -170,8 +172,8 @@ class ModelStore:
 
     def install(self, ref: ModelRef, folder: Path, source: dict[str, str]) -> Manifest:
         """Move a converted Hugging Face folder into the store and write its manifest."""
-        if not (folder / TOKENIZER_FILE).is_file() or not (folder / "config.json").is_file():
-            raise ModelStoreError(f"{folder} lacks {TOKENIZER_FILE} or config.json")
+        if not (folder / TOKENIZER_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
+            raise ModelStoreError(f"{folder} lacks {TOKENIZER_FILE} or {CONFIG_FILE}")
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         hashes = {
             str(p.relative_to(folder)): sha256_file(p)

@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from aiserve.common.paths import DEV_KEY_FILE, HOME_ENV, LOGS_DIR, MODEL_STORE_ENV, MODELS_DIR, aiserve_home
 from aiserve.common.server import wait_for_serving
-from services.gateway.tenants import DEV_KEY_FILE, ensure_dev_key
+from services.gateway.tenants import ensure_dev_key
 
 SERVICES = ("tokenizer", "inference", "cache", "gateway")
 DEFAULT_PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054}
@@ -50,7 +51,7 @@ class SuiteConfig:
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> SuiteConfig:
         """Honour AISERVE_HOME and AISERVE_<SERVICE>_PORT / _METRICS_PORT like the services do."""
-        config = cls(home=Path(environ.get("AISERVE_HOME", "var")).resolve())
+        config = cls(home=aiserve_home(environ).resolve())
         for name in SERVICES:
             if port := environ.get(f"AISERVE_{name.upper()}_PORT"):
                 config.ports[name] = int(port)
@@ -73,8 +74,8 @@ class SuiteConfig:
         env = {**base, **self.extra_env}
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("TRANSFORMERS_OFFLINE", "1")
-        env["AISERVE_HOME"] = str(self.home)
-        env.setdefault("AISERVE_MODEL_STORE", str(self.home / "models"))
+        env[HOME_ENV] = str(self.home)
+        env.setdefault(MODEL_STORE_ENV, str(self.home / MODELS_DIR))
         env["PYTHONUNBUFFERED"] = "1"
         prefix = f"AISERVE_{name.upper()}_"
         env[prefix + "PORT"] = str(self.ports[name])
@@ -101,7 +102,7 @@ class Suite:
 
     @property
     def log_dir(self) -> Path:
-        return self.config.home / "logs"
+        return self.config.home / LOGS_DIR
 
     def log_path(self, name: str) -> Path:
         return self.log_dir / f"{name}.log"

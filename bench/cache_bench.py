@@ -27,7 +27,7 @@ import faiss
 import numpy as np
 
 from aiserve.common.logging import configure_logging
-from aiserve.store import default_store_path
+from aiserve.common.paths import model_store_path
 from aiserve.suite import Suite, SuiteConfig
 from services.cache.calibrate import ScoredPair, load_pairs, score_pairs
 from services.cache.config import CacheConfig
@@ -159,7 +159,7 @@ def bench_end_to_end(scored: Sequence[ScoredPair], threshold: float, count: int,
     pairs = pairs[:count]
     home = Path(tempfile.mkdtemp(prefix="aiserve-cache-bench-"))
     config = SuiteConfig.for_tests(home)
-    store = default_store_path()
+    store = model_store_path()
     config.extra_env["AISERVE_MODEL_STORE"] = str(store if store.is_absolute() else Path.cwd() / store)
     suite = Suite(config)
     try:

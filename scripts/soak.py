@@ -21,7 +21,7 @@ from pathlib import Path
 
 from grpc import aio
 
-from aiserve.store import default_store_path
+from aiserve.common.paths import model_store_path
 from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 
@@ -45,7 +45,7 @@ async def one(stub: inference_pb2_grpc.InferenceStub, rng: random.Random, i: int
 async def run(args: argparse.Namespace) -> dict[str, object]:
     with tempfile.TemporaryDirectory() as home:
         config = SuiteConfig.for_tests(Path(home))
-        config.extra_env["AISERVE_MODEL_STORE"] = str(default_store_path().resolve())
+        config.extra_env["AISERVE_MODEL_STORE"] = str(model_store_path().resolve())
         suite = Suite(config)
         suite.start_service("inference")
         try:

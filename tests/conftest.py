@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from aiserve.store import DEFAULT_MODEL_REF, Manifest, ModelRef, ModelStore, default_store_path
+from aiserve.common.paths import model_store_path
+from aiserve.store import DEFAULT_MODEL_REF, Manifest, ModelRef, ModelStore
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -15,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture(scope="session")
 def store() -> ModelStore:
-    root = default_store_path()
+    root = model_store_path()
     if not root.is_absolute():
         root = Path(__file__).resolve().parent.parent / root
     return ModelStore(root)

@@ -25,7 +25,6 @@ from aiserve.common.logging import get_logger
 
 log = get_logger("ledger")
 
-LEDGER_FILE = "ledger.sqlite3"
 SCHEMA_VERSION = 1
 
 

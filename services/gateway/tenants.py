@@ -18,12 +18,11 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from aiserve.common.paths import DEV_KEY_FILE, KEYS_FILE
 from services.gateway.config import GatewayConfig
 
 TIERS = ("free", "paid")
 DEV_TENANT = "dev"
-DEV_KEY_FILE = "dev.key"
-KEYS_FILE = "keys.sqlite3"
 _TENANT_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
 _KEY_RE = re.compile(r"^ais_([0-9a-f]{8})_[A-Za-z0-9_-]{20,}$")
 

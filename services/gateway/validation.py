@@ -9,9 +9,8 @@ import json
 from dataclasses import asdict, dataclass
 
 from aiserve.common.errors import InvalidArgument
+from aiserve.common.protocol import CHAT_ROLES
 from services.gateway.config import GatewayConfig
-
-ROLES = frozenset({"system", "user", "assistant"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +127,7 @@ def validate_input(prompt: str | None, messages: list[tuple[str, str]] | None, c
         )
     total = 0
     for i, (role, content) in enumerate(messages):
-        if role not in ROLES:
+        if role not in CHAT_ROLES:
             raise InvalidArgument(f"chat.messages[{i}].role: must be system, user or assistant, got {role!r}")
         if not content:
             raise InvalidArgument(f"chat.messages[{i}].content: must not be empty")

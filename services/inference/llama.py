@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from aiserve.model_facts import CONFIG_FILE, CONTEXT_KEYS, context_length
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 _CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 # Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
@@ -94,11 +96,18 @@ class LlamaConfig:
             num_kv_heads=int(data.get("num_key_value_heads") or heads),
             head_dim=int(data.get("head_dim") or data["hidden_size"] // heads),
             rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=int(data.get("max_position_embeddings", 2048)),
+            max_position_embeddings=_context_length(data),
             tie_word_embeddings=bool(data.get("tie_word_embeddings", False)),
             rope_theta=float(rope.get("rope_theta", data.get("rope_theta", 10000.0))),
             rope=rope,
         )
+
+
+def _context_length(data: dict[str, Any]) -> int:
+    """The context length by the rule every service uses (aiserve/model_facts.py)."""
+    if (length := context_length(data)) is None:
+        raise ValueError(f"config.json: none of {', '.join(CONTEXT_KEYS)} is set")
+    return length
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -359,7 +368,7 @@ class LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
         ``matmul_dtype`` None = ``default_matmul_dtype(device, dtype)``; ``pack_weights``: keep
         oneDNN-packed copies of the matmul weights where ``pack_weight`` allows."""
-        config = LlamaConfig.from_dict(json.loads((folder / "config.json").read_text()))
+        config = LlamaConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
         weights: dict[str, torch.Tensor] = {}
         for path in sorted(folder.glob("*.safetensors")):
             with safe_open(path, framework="pt", device="cpu") as f:

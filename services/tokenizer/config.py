@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aiserve.common.config import ConfigError, ServiceConfig
-from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStoreError
+from aiserve.common.config import ServiceConfig, require
+from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,4 @@ class TokenizerConfig(ServiceConfig):
 
     def validate(self) -> None:
         super().validate()
-        try:
-            ModelRef.parse(self.model)
-        except ModelStoreError as exc:
-            raise ConfigError(f"model: must be 'name@version', got {self.model!r}") from exc
+        require(is_model_ref(self.model), f"model: must be 'name@version', got {self.model!r}")

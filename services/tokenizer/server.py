@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 
 from grpc import aio
@@ -18,8 +17,11 @@ from grpc import aio
 from aiserve.common.context import current_request_id
 from aiserve.common.errors import ApiError, FailedPrecondition, NotFound, ResourceExhausted
 from aiserve.common.logging import get_logger
+from aiserve.common.paths import model_store_path
+from aiserve.common.protocol import MAX_MUX_STREAMS
 from aiserve.common.server import ServiceHandle, new_server, run_service
-from aiserve.store import ModelRef, ModelStore, default_store_path
+from aiserve.common.status import code_number
+from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
@@ -31,8 +33,6 @@ SERVICE_NAME = tokenizer_pb2.DESCRIPTOR.services_by_name["Tokenizer"].full_name
 # Above this many characters (or ids x 4, about 4 characters a token) work runs in a thread.
 _THREAD_MIN_CHARS = 10_000
 _CHARS_PER_ID = 4
-# Open streams one DetokenizeMux call may hold (a gateway holds one per running generation).
-MAX_MUX_STREAMS = 10_000
 
 T = TypeVar("T")
 
@@ -151,9 +151,9 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                     delta = self._mux_item(streams, item)
                 except ApiError as exc:
                     dropped = streams.pop(item.stream, None)
-                    log.warning("detokenize_mux_item_failed", stream=item.stream, code=exc.code.name,
+                    log.warning("detokenize_mux_item_failed", stream=item.stream, code=exc.kind.name,
                                 error=exc.message, request_id=dropped.request_id if dropped else "")
-                    reply.deltas.add(stream=item.stream, code=exc.code.value[0],
+                    reply.deltas.add(stream=item.stream, code=code_number(exc.kind),
                                      message=f"items[{index}].{exc.message}")
                 else:
                     reply.deltas.add(stream=item.stream, text_delta=delta)
@@ -188,8 +188,7 @@ def load_tokenizer(config: TokenizerConfig) -> ModelTokenizer:
 
     Raises ModelStoreError when the model is missing, tampered with or malformed.
     """
-    root = Path(config.model_store) if config.model_store else default_store_path()
-    folder, manifest = ModelStore(root).load_path(ModelRef.parse(config.model))
+    folder, manifest = ModelStore(model_store_path(config.model_store)).load_path(ModelRef.parse(config.model))
     return ModelTokenizer.from_folder(folder, manifest)
 
 

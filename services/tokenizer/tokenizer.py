@@ -21,14 +21,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from aiserve.common.errors import FailedPrecondition, InvalidArgument
-from aiserve.store import TOKENIZER_FILE, Manifest, ModelStoreError
+from aiserve.common.protocol import CHAT_ROLES
+from aiserve.model_facts import TOKENIZER_FILE, ModelFactsError, read_model_facts, token_text
+from aiserve.store import Manifest, ModelStoreError
 
-ROLES = ("system", "user", "assistant")
 _NAMED_SPECIALS = ("bos", "eos", "pad", "unk")
 # Keys of tokenizer_config.json that list further special tokens (transformers 4.x / 5.x).
 _EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
-# config.json keys that give the context length, most common first.
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,28 +59,6 @@ class TokenizerInfo:
     eos_token_ids: tuple[int, ...]
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return dict(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else {}
-
-
-def _token_text(value: object) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return str(value["content"])
-    return None
-
-
-def _as_ids(value: object) -> list[int]:
-    """``eos_token_id`` is an int or a list of ints in config.json/generation_config.json."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return [value]
-    if isinstance(value, list):
-        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
-    return []
-
-
 def _raise_exception(message: str) -> NoReturn:
     raise jinja2.exceptions.TemplateError(message)
 
@@ -107,41 +84,23 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def _template_source(folder: Path, tokenizer_config: dict[str, Any]) -> str | None:
-    """chat_template.jinja, else tokenizer_config.json's "chat_template" (a string or named list)."""
-    if (path := folder / "chat_template.jinja").is_file():
-        return path.read_text(encoding="utf-8")
-    source = tokenizer_config.get("chat_template")
-    if isinstance(source, list):  # [{"name": "default", "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-        source = named.get("default")
-    return source if isinstance(source, str) else None
-
-
 def _special_tokens(tok: Tokenizer, tokenizer_config: dict[str, Any]) -> tuple[SpecialToken, ...]:
     """bos/eos/pad/unk from tokenizer_config.json, then every other special token, by id."""
     found: list[SpecialToken] = []
     for name in _NAMED_SPECIALS:
-        text = _token_text(tokenizer_config.get(f"{name}_token"))
+        text = token_text(tokenizer_config.get(f"{name}_token"))
         if text is not None and (token_id := tok.token_to_id(text)) is not None:
             found.append(SpecialToken(name, text, token_id))
     extra = {i: t.content for i, t in tok.get_added_tokens_decoder().items() if t.special}
     for key in _EXTRA_SPECIAL_KEYS:
         for value in tokenizer_config.get(key) or ():
-            text = _token_text(value)
+            text = token_text(value)
             if text is not None and (token_id := tok.token_to_id(text)) is not None:
                 extra[token_id] = text
     named_ids = {t.id for t in found}
     found += [SpecialToken("additional", text, i) for i, text in sorted(extra.items())
               if i not in named_ids]
     return tuple(found)
-
-
-def _context_length(model_config: dict[str, Any], ref: str) -> int:
-    for key in _CONTEXT_KEYS:
-        if isinstance(value := model_config.get(key), int) and value > 0:
-            return value
-    raise ModelStoreError(f"model {ref}: config.json has none of {', '.join(_CONTEXT_KEYS)}")
 
 
 class ModelTokenizer:
@@ -158,23 +117,21 @@ class ModelTokenizer:
     def from_folder(cls, folder: Path, manifest: Manifest) -> ModelTokenizer:
         """Load from a (verified) model store folder; malformed files raise ModelStoreError."""
         ref = str(manifest.ref)
+        try:
+            facts = read_model_facts(folder)
+        except ModelFactsError as exc:
+            raise ModelStoreError(f"model {ref}: {exc}") from exc
         tok = Tokenizer.from_file(str(folder / TOKENIZER_FILE))
-        tok_config = _read_json(folder / "tokenizer_config.json")
-        model_config = _read_json(folder / "config.json")
-        generation_config = _read_json(folder / "generation_config.json")
-        specials = _special_tokens(tok, tok_config)
-        eos_ids = {*_as_ids(model_config.get("eos_token_id")),
-                   *_as_ids(generation_config.get("eos_token_id")),
-                   *(t.id for t in specials if t.name == "eos")}
+        specials = _special_tokens(tok, facts.tokenizer_config)
         info = TokenizerInfo(
             model=ref,
             tokenizer_sha256=manifest.tokenizer_sha256,
             vocab_size=tok.get_vocab_size(with_added_tokens=True),
             special_tokens=specials,
-            context_length=_context_length(model_config, ref),
-            eos_token_ids=tuple(sorted(eos_ids)),
+            context_length=facts.context_length,
+            eos_token_ids=tuple(sorted(facts.eos_token_ids)),
         )
-        source = _template_source(folder, tok_config)
+        source = facts.chat_template
         try:
             template = compile_chat_template(source) if source is not None else None
         except jinja2.TemplateSyntaxError as exc:
@@ -242,8 +199,8 @@ def _check_messages(messages: Sequence[ChatMessage], field: str) -> None:
     if not messages:
         raise InvalidArgument(f"{field}: at least 1 message is required, got 0")
     for index, message in enumerate(messages):
-        if message.role not in ROLES:
-            raise InvalidArgument(f"{field}[{index}].role: must be one of {', '.join(ROLES)}, "
+        if message.role not in CHAT_ROLES:
+            raise InvalidArgument(f"{field}[{index}].role: must be one of {', '.join(CHAT_ROLES)}, "
                                   f"got {message.role!r}")
         if not message.content:
             raise InvalidArgument(f"{field}[{index}].content: must not be empty "

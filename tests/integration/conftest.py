@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from aiserve.common.paths import KEYS_FILE, LEDGER_FILE
 from aiserve.store import ModelStore
 from aiserve.suite import Suite, SuiteConfig
-from services.gateway.ledger import LEDGER_FILE, Ledger, UsageRow
-from services.gateway.tenants import KEYS_FILE, KeyStore, Tenant
+from services.gateway.ledger import Ledger, UsageRow
+from services.gateway.tenants import KeyStore, Tenant
 
 
 @pytest.fixture(scope="session")
