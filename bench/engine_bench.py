@@ -35,16 +35,16 @@ from grpc import aio
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from aiserve.common.logging import configure_logging
-from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore, default_store_path
+from aiserve.common.paths import model_store_path
+from aiserve.model_facts import read_model_facts
+from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from bench.cache_bench import machine, percentiles
 from services.inference.batch_engine import BatchEngine
-from services.inference.kv_cache import KVCacheConfig
+from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
 from services.inference.llama import LlamaModel
-from services.inference.model import eos_token_ids
 from services.inference.request import GenerateRequest
-from services.inference.scheduler import SchedulerConfig
 from services.inference.torch_thread import run_in_fresh_thread
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -227,9 +227,10 @@ class Served:
 
 async def sweep_one(model: LlamaModel, eos: frozenset[int], size: int, prompt_ids: Sequence[list[int]],
                     new_tokens: int) -> dict[str, Any]:
-    config = SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=max(512, size), max_queue_len=4096)
+    config = SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=max(512, size), max_queue=4096)
     kv = KVCacheConfig(kv_cache_bytes=size * 256 * 23040 + (64 << 20), max_seq_len=256, prefix_cache_fraction=0.0)
-    engine = run_in_fresh_thread(lambda: BatchEngine(model, eos, config, kv))  # the cache is zero-filled there
+    engine_config = EngineConfig(scheduler=config, kv_cache=kv)
+    engine = run_in_fresh_thread(lambda: BatchEngine(model, eos, engine_config))  # the cache is zero-filled there
     engine.start()
     n = max(8, 2 * size) if size <= 64 else size
     try:
@@ -328,10 +329,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    store = ModelStore(default_store_path().resolve())
+    store = ModelStore(model_store_path().resolve())
     folder, _ = store.load_path(ModelRef.parse(DEFAULT_MODEL_REF))
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    eos = eos_token_ids(folder)
+    eos = read_model_facts(folder).eos_token_ids
     texts = prompts(64)
     ids = [chat_ids(tok, t) for t in texts]
     report: dict[str, Any] = {"machine": {**machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},

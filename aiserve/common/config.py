@@ -56,6 +56,50 @@ def _read_toml(path: Path, service: str) -> dict[str, Any]:
     return dict(section) if isinstance(section, dict) else {k: v for k, v in data.items() if not isinstance(v, dict)}
 
 
+def settings_of(cls: type) -> dict[str, tuple[tuple[str, ...], Any]]:
+    """Every setting of a settings dataclass: flat name -> (path of field names, declared type).
+
+    A field whose type is itself a dataclass (a component's settings, e.g. the scheduler's) is
+    flattened: its fields are settings of their own names, so ``AISERVE_INFERENCE_MAX_NUM_SEQS``
+    reaches ``InferenceConfig.engine.scheduler.max_num_seqs``. A name may appear only once.
+    """
+    found: dict[str, tuple[tuple[str, ...], Any]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        inner = settings_of(kind) if isinstance(kind, type) and dataclasses.is_dataclass(kind) else {f.name: ((), kind)}
+        for name, (path, leaf) in inner.items():
+            if name in found:
+                raise TypeError(f"{cls.__name__}: setting {name!r} is declared twice")
+            found[name] = ((f.name, *path), leaf)
+    return found
+
+
+def _build(cls: type[T], values: Mapping[tuple[str, ...], Any]) -> T:
+    """``cls`` with the given values (keyed by field path); components are built the same way."""
+    direct = {path[0]: value for path, value in values.items() if len(path) == 1}
+    nested: dict[str, dict[tuple[str, ...], Any]] = {}
+    for path, value in values.items():
+        if len(path) > 1:
+            nested.setdefault(path[0], {})[path[1:]] = value
+    hints = typing.get_type_hints(cls)
+    for name, inner in nested.items():
+        direct[name] = _build(hints[name], inner)
+    return cls(**direct)
+
+
+def config_with(cls: type[T], **values: Any) -> T:
+    """``cls`` with settings given by their flat names (typed values), validated: the way tests
+    and benchmarks build a service's settings, e.g. ``config_with(InferenceConfig, max_num_seqs=8)``."""
+    settings = settings_of(cls)
+    if unknown := sorted(set(values) - set(settings)):
+        raise ConfigError(f"unknown setting(s) of {cls.__name__}: {', '.join(unknown)}")
+    config = _build(cls, {settings[name][0]: value for name, value in values.items()})
+    if (validate := getattr(config, "validate", None)) is not None:
+        validate()
+    return config
+
+
 def load_config(
     cls: type[T],
     service: str,
@@ -64,32 +108,30 @@ def load_config(
 ) -> T:
     """Build ``cls`` (a dataclass) for ``service`` from defaults, TOML, environment and flags."""
     environ = os.environ if environ is None else environ
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    hints = typing.get_type_hints(cls)
+    settings = settings_of(cls)
     parser = argparse.ArgumentParser(prog=f"aiserve-{service}", description=cls.__doc__)
     parser.add_argument("--config", type=Path, help="TOML settings file")
-    for name in fields:
+    for name, (_, kind) in settings.items():
         flag = "--" + name.replace("_", "-")
-        parser.add_argument(flag, f"--{name}", dest=name, default=None, help=f"({hints[name]})")
+        parser.add_argument(flag, f"--{name}", dest=name, default=None, help=f"({kind})")
     args = parser.parse_args(list(argv) if argv is not None else [])
 
     values: dict[str, Any] = {}
     toml_path = args.config or (Path(environ["AISERVE_CONFIG"]) if environ.get("AISERVE_CONFIG") else None)
     if toml_path is not None:
         for key, raw in _read_toml(toml_path, service).items():
-            if key not in fields:
+            if key not in settings:
                 raise ConfigError(f"{toml_path}: unknown setting {service}.{key}")
             values[key] = raw
     prefix = f"AISERVE_{service.upper()}_"
-    for name in fields:
+    for name in settings:
         if (raw := environ.get(prefix + name.upper())) is not None:
             values[name] = raw
         if (flag_value := getattr(args, name)) is not None:
             values[name] = flag_value
-    typed = {name: _coerce(name, hints[name], raw) for name, raw in values.items()}
-    config = cls(**typed)
-    validate = getattr(config, "validate", None)
-    if validate is not None:
+    typed = {settings[name][0]: _coerce(name, settings[name][1], raw) for name, raw in values.items()}
+    config = _build(cls, typed)
+    if (validate := getattr(config, "validate", None)) is not None:
         validate()
     return config
 
@@ -98,12 +140,6 @@ def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless ``condition``; used by the ``validate()`` methods."""
     if not condition:
         raise ConfigError(message)
-
-
-def aiserve_home(environ: Mapping[str, str] | None = None) -> Path:
-    """The folder that holds all state of a running suite (``AISERVE_HOME``, default ``var``)."""
-    environ = os.environ if environ is None else environ
-    return Path(environ.get("AISERVE_HOME", "var"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 from grpc import aio
-from prometheus_client import Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from aiserve.common.context import (
     REQUEST_ID_KEY,
@@ -30,14 +30,27 @@ from aiserve.common.context import (
 )
 from aiserve.common.errors import ApiError
 from aiserve.common.logging import get_logger
+from aiserve.common.protocol import MAX_MESSAGE_BYTES
+from aiserve.common.status import grpc_code
 
 log = get_logger("rpc")
 
-RPC_TOTAL = Counter("aiserve_rpc_total", "RPCs served", ["service", "method", "code"])
-RPC_SECONDS = Histogram(
-    "aiserve_rpc_seconds", "RPC latency in seconds (streams: until the last message)",
-    ["service", "method"], buckets=(0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-)
+_RPC_BUCKETS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class RpcMetrics:
+    """``aiserve_rpc_total`` and ``aiserve_rpc_seconds`` of one server, in its own registry."""
+
+    def __init__(self, service: str, registry: CollectorRegistry) -> None:
+        self.service = service
+        self.total = Counter("aiserve_rpc_total", "RPCs served", ["service", "method", "code"], registry=registry)
+        self.seconds = Histogram("aiserve_rpc_seconds", "RPC latency in seconds (streams: until the last message)",
+                                 ["service", "method"], buckets=_RPC_BUCKETS, registry=registry)
+
+    def record(self, method: str, code: grpc.StatusCode, elapsed_s: float) -> None:
+        """Count one finished RPC (or one stream of a multiplexed call) and its latency."""
+        self.total.labels(self.service, method, code.name).inc()
+        self.seconds.labels(self.service, method).observe(elapsed_s)
 
 # Infrastructure services: not logged per call (health probes would drown the logs).
 _QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
@@ -46,8 +59,8 @@ _QUIET_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
 class _Call:
     """Bookkeeping of one RPC: binds its ids, then maps its outcome to a status and a log line."""
 
-    def __init__(self, service: str, method: str, context: aio.ServicerContext) -> None:
-        self.service, self.method, self.context = service, method, context
+    def __init__(self, metrics: RpcMetrics, method: str, context: aio.ServicerContext) -> None:
+        self.metrics, self.method, self.context = metrics, method, context
         self.started = time.perf_counter()
         self.code = grpc.StatusCode.OK
         metadata = {k: v for k, v in (context.invocation_metadata() or ()) if isinstance(v, str)}
@@ -67,8 +80,8 @@ class _Call:
 
     async def fail(self, exc: BaseException) -> None:
         if isinstance(exc, ApiError):
-            self.code = exc.code
-            await self.context.abort(exc.code, exc.message, trailing_metadata=exc.trailing_metadata)
+            self.code = grpc_code(exc.kind)
+            await self.context.abort(self.code, exc.message, trailing_metadata=exc.trailing_metadata)
         self.code = grpc.StatusCode.INTERNAL
         log.exception("rpc_bug", method=self.method)
         await self.context.abort(self.code, f"internal error (request_id={self.request_id})")
@@ -79,16 +92,15 @@ class _Call:
         elif isinstance(exc, aio.AbortError) and self.code == grpc.StatusCode.OK:
             self.code = self.context.code() or grpc.StatusCode.UNKNOWN  # type: ignore[assignment]
         elapsed = time.perf_counter() - self.started
-        RPC_TOTAL.labels(self.service, self.method, self.code.name).inc()
-        RPC_SECONDS.labels(self.service, self.method).observe(elapsed)
+        self.metrics.record(self.method, self.code, elapsed)
         log.info("rpc", method=self.method, code=self.code.name, latency_ms=round(elapsed * 1000, 2))
 
 
 class ServerInterceptor(aio.ServerInterceptor):
-    """Request id, logging, metrics and error mapping for every RPC of ``service``."""
+    """Request id, logging, metrics and error mapping for every RPC of one server."""
 
-    def __init__(self, service: str) -> None:
-        self.service = service
+    def __init__(self, metrics: RpcMetrics) -> None:
+        self.metrics = metrics
 
     async def intercept_service(
         self,
@@ -116,7 +128,7 @@ class ServerInterceptor(aio.ServerInterceptor):
 
     def _unary(self, behavior: Callable[..., Awaitable[Any]], method: str) -> Callable[..., Awaitable[Any]]:
         async def wrapper(request: Any, context: aio.ServicerContext) -> Any:
-            call = _Call(self.service, method, context)
+            call = _Call(self.metrics, method, context)
             error: BaseException | None = None
             try:
                 await call.begin()
@@ -134,7 +146,7 @@ class ServerInterceptor(aio.ServerInterceptor):
 
     def _streaming(self, behavior: Callable[..., AsyncIterator[Any]], method: str) -> Callable[..., AsyncIterator[Any]]:
         async def wrapper(request: Any, context: aio.ServicerContext) -> AsyncIterator[Any]:
-            call = _Call(self.service, method, context)
+            call = _Call(self.metrics, method, context)
             error: BaseException | None = None
             try:
                 await call.begin()
@@ -192,8 +204,8 @@ def forward_context_interceptors() -> list[aio.ClientInterceptor]:
 def downstream_channel(address: str) -> aio.Channel:
     """An insecure channel to another aiserve service that forwards the request context."""
     options = [
-        ("grpc.max_receive_message_length", 64 << 20),
-        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ("grpc.enable_retries", 1),
         # Backends live on the same host or mesh: reconnect quickly after a restart.
         ("grpc.initial_reconnect_backoff_ms", 100),

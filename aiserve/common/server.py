@@ -18,18 +18,20 @@ import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
+from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client.registry import CollectorRegistry
 
-from aiserve.common.interceptors import ServerInterceptor
+from aiserve.common.interceptors import RpcMetrics, ServerInterceptor
 from aiserve.common.logging import get_logger
+from aiserve.common.protocol import MAX_MESSAGE_BYTES
 
 log = get_logger("server")
 
 ConfigT = TypeVar("ConfigT")
 
 _OPTIONS = [
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
 
@@ -43,6 +45,13 @@ class ServiceHandle:
     health: health.aio.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    registry: CollectorRegistry
+    """This server's Prometheus metrics (its RPCs, its service's own collectors, the process);
+    each server owns one, so two servers in one process never share or rebind a metric."""
+    rpc_metrics: RpcMetrics
+    """``aiserve_rpc_*`` of this server (the interceptor's; multiplexed calls count streams)."""
+    servicer: object | None = None
+    """The service's own servicer, once registered (tests look inside it)."""
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stopping: list[Callable[[], None]] = field(default_factory=list)
     """Run when stopping begins, before in-flight RPCs get their grace period (e.g. tell
@@ -77,7 +86,11 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
 
     ``port`` 0 binds a free port; the handle's ``port`` is the one bound.
     """
-    server = aio.server(interceptors=[ServerInterceptor(name)], options=_OPTIONS)
+    registry = CollectorRegistry()
+    for collector in (ProcessCollector, PlatformCollector, GCCollector):
+        collector(registry=registry)
+    rpc_metrics = RpcMetrics(name, registry)
+    server = aio.server(interceptors=[ServerInterceptor(rpc_metrics)], options=_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
@@ -86,13 +99,13 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"{name}: cannot bind {host}:{port}")
-    return ServiceHandle(name, server, health_servicer, bound, tuple(service_names))
+    return ServiceHandle(name, server, health_servicer, bound, tuple(service_names), registry, rpc_metrics)
 
 
-def start_metrics(port: int, host: str = "127.0.0.1") -> None:
-    """Prometheus metrics over HTTP (0 = disabled)."""
+def start_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
+    """A server's Prometheus metrics over HTTP (port 0 = disabled)."""
     if port:
-        start_http_server(port, addr=host)
+        start_http_server(port, addr=host, registry=registry)
 
 
 async def serve(
@@ -160,10 +173,11 @@ def run_service(
     configure_logging(name, config.log_level)  # type: ignore[attr-defined]
     if prepare is not None:
         prepare(config)
-    start_metrics(config.metrics_port, config.host)  # type: ignore[attr-defined]
 
     async def run() -> None:
-        await serve(await create(config), config.grace_s)  # type: ignore[attr-defined]
+        handle = await create(config)
+        start_metrics(handle.registry, config.metrics_port, config.host)  # type: ignore[attr-defined]
+        await serve(handle, config.grace_s)  # type: ignore[attr-defined]
 
     try:
         asyncio.run(run())

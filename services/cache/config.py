@@ -6,7 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiserve.common.config import ServiceConfig, aiserve_home, require
+from aiserve.common.config import ServiceConfig, require
+from aiserve.common.paths import CACHE_DB_FILE, home_file
 from services.cache.index import INDEX_KINDS, IndexParams
 
 DEFAULT_SIMILARITY_THRESHOLD = 0.88
@@ -88,9 +89,7 @@ class CacheConfig(ServiceConfig):
 
     def resolved_db_path(self, environ: Mapping[str, str] | None = None) -> Path:
         """The SQLite file to open: ``db_path``, or the default under ``AISERVE_HOME``."""
-        if self.db_path:
-            return Path(self.db_path)
-        return aiserve_home(environ) / "cache" / "cache.sqlite3"
+        return home_file(self.db_path, CACHE_DB_FILE, environ)
 
     def resolved_index_path(self, environ: Mapping[str, str] | None = None) -> Path:
         """The index snapshot: ``index_path``, or next to the SQLite file."""

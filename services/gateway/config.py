@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiserve.common.config import ServiceConfig, aiserve_home, require
-from aiserve.store import DEFAULT_MODEL_REF
+from aiserve.common.config import ServiceConfig, require
+from aiserve.common.paths import KEYS_FILE, LEDGER_FILE, home_file
+from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 from services.gateway.pricing import Price, PriceTable, parse_prices
 
 
@@ -125,6 +126,12 @@ class GatewayConfig(ServiceConfig):
         require(0 <= self.max_feedback_comment_chars <= 100_000,
                 f"max_feedback_comment_chars: must be 0..100000, got {self.max_feedback_comment_chars}")
         parse_prices(self.prices)  # raises ConfigError naming the bad entry
+        for name in ("tokenizer_address", "inference_address"):
+            require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")
+        require(self.cache_address == "" or ":" in self.cache_address,
+                f"cache_address: must be host:port or empty (no cache), got {self.cache_address!r}")
+        require(is_model_ref(self.default_model),
+                f"default_model: must be 'name@version', got {self.default_model!r}")
 
     def price_table(self) -> PriceTable:
         """The prices of `prices`, with the default prices for models missing from it."""
@@ -134,10 +141,8 @@ class GatewayConfig(ServiceConfig):
 
     def keys_file(self) -> Path:
         """The tenants and keys database this config names ("" = under $AISERVE_HOME)."""
-        return Path(self.keys_path) if self.keys_path else aiserve_home() / "keys.sqlite3"
+        return home_file(self.keys_path, KEYS_FILE)
 
     def ledger_file(self) -> Path:
         """The usage ledger database this config names ("" = under $AISERVE_HOME)."""
-        return Path(self.ledger_path) if self.ledger_path else aiserve_home() / "ledger.sqlite3"
-        for name in ("tokenizer_address", "inference_address"):
-            require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")
+        return home_file(self.ledger_path, LEDGER_FILE)

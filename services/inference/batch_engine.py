@@ -16,20 +16,20 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger
-from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
+from services.inference.engine_config import EngineConfig
+from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
-from services.inference.model import eos_token_ids
 from services.inference.prefix_index import PrefixIndex
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
-from services.inference.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, Seq
+from services.inference.scheduler import Scheduler, SchedulerOutput, Seq
 from services.inference.speculative import NgramDrafter
 from services.inference.torch_thread import adopt_thread_count
 
@@ -75,11 +75,11 @@ class _Record:
     bytes_per_token: int = 0
     peak_tokens: int = 0
 
-    def event(self, token_ids: tuple[int, ...], reason: str | None) -> TokenEvent:
+    def event(self, token_ids: tuple[int, ...], reason: FinishReason | None) -> TokenEvent:
         seq = self.seq
         queued_s = (seq.first_scheduled or time.monotonic()) - seq.arrival
         self.peak_tokens = max(self.peak_tokens, seq.num_computed_tokens)  # K/V written so far
-        return TokenEvent(token_ids, reason, seq.num_prompt_tokens,  # type: ignore[arg-type]
+        return TokenEvent(token_ids, reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000,
                           self.peak_tokens * self.bytes_per_token)
 
@@ -112,18 +112,15 @@ def _deliver(items: Sequence[_Post]) -> None:
 class BatchEngine:
     """Runs many generations at once on one model; ``generate`` streams each one's events."""
 
-    def __init__(self, model: LlamaModel, eos_ids: frozenset[int],
-                 scheduler_config: SchedulerConfig | None = None,
-                 kv_config: KVCacheConfig | None = None, max_new_tokens_limit: int = 4096) -> None:
-        scheduler_config = scheduler_config or SchedulerConfig()
-        kv_config = kv_config or KVCacheConfig()
+    def __init__(self, model: LlamaModel, eos_ids: frozenset[int], config: EngineConfig | None = None) -> None:
+        config = config or EngineConfig()
         c = model.config
         layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
-        plan = KVPlan.fit(kv_config, layout, scheduler_config.max_num_seqs, c.max_position_embeddings)
-        self.model, self.eos_ids, self.max_new_tokens_limit = model, eos_ids, max_new_tokens_limit
+        plan = KVPlan.fit(config.kv_cache, layout, config.scheduler.max_num_seqs, c.max_position_embeddings)
+        self.model, self.eos_ids, self.config = model, eos_ids, config
         self.cache = KVCache(layout, plan, model.device)
         prefix = PrefixIndex(plan.num_blocks, plan.block_size) if plan.num_blocks else None
-        self.scheduler = Scheduler(scheduler_config, plan.num_slots, plan.slot_len, prefix)
+        self.scheduler = Scheduler(config.scheduler, plan.num_slots, plan.slot_len, prefix)
         self.runner = ModelRunner(model, self.cache)
         self._lock = threading.Condition()
         self._records: dict[Seq, _Record] = {}
@@ -132,12 +129,6 @@ class BatchEngine:
         self._thread: threading.Thread | None = None
         self._num_steps = self._num_generated = 0
 
-    @classmethod
-    def from_folder(cls, folder: Path, device: str, dtype: torch.dtype, **kwargs: object) -> BatchEngine:
-        """Load the (verified) model folder and build an engine over it."""
-        model = LlamaModel.load(folder, device, dtype)
-        return cls(model, eos_token_ids(folder), **kwargs)  # type: ignore[arg-type]
-
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
@@ -145,10 +136,6 @@ class BatchEngine:
     @property
     def num_running(self) -> int:
         return self.scheduler.num_running
-
-    @property
-    def is_draining(self) -> bool:
-        return not self._is_accepting
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -238,7 +225,7 @@ class BatchEngine:
                 was_waiting = seq.slot is None
                 self.scheduler.abort(seq)
                 record.post(Unavailable("inference is stopping") if was_waiting
-                            else record.event((), "cancelled"))
+                            else record.event((), FinishReason.CANCELLED))
             self._records.clear()
             self._lock.notify_all()
 
@@ -271,8 +258,9 @@ class BatchEngine:
             raise InvalidArgument("prompt_token_ids: must hold at least 1 id, got 0")
         if (bad := next((i for i in prompt if not 0 <= i < vocab), None)) is not None:
             raise InvalidArgument(f"prompt_token_ids: id {bad} is outside the vocabulary 0..{vocab - 1}")
-        if not 1 <= request.max_new_tokens <= self.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens: must be 1..{self.max_new_tokens_limit}, "
+        limit = self.config.max_new_tokens_limit
+        if not 1 <= request.max_new_tokens <= limit:
+            raise InvalidArgument(f"max_new_tokens: must be 1..{limit}, "
                                   f"got {request.max_new_tokens}")
         if len(prompt) + request.max_new_tokens > self.scheduler.slot_len:
             raise InvalidArgument(
@@ -349,10 +337,10 @@ class BatchEngine:
         record = self._records.pop(seq, None)
         if record is None:
             return
-        if seq.finish_reason == "deadline":
+        if seq.is_expired:
             record.post(DeadlineExceeded("deadline passed while queued for the model"))
         else:
-            record.post(record.event((), "cancelled"))
+            record.post(record.event((), FinishReason.CANCELLED))
 
     def _fail(self, failed: list[Seq], exc: Exception) -> None:
         with self._lock:

@@ -30,8 +30,10 @@ from aiserve.common.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from aiserve.common.interceptors import RPC_SECONDS, RPC_TOTAL
+from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
+from aiserve.common.protocol import MAX_MUX_STREAMS
+from aiserve.common.status import grpc_code
 from aiserve.v1 import inference_pb2
 from services.inference.batch_engine import BatchEngine
 from services.inference.messages import from_pb, to_pb
@@ -39,8 +41,6 @@ from services.inference.request import TokenEvent
 
 log = get_logger("generate_mux")
 
-# Open streams one call may hold (the gateway holds one per running or queued generation).
-MAX_MUX_STREAMS = 10_000
 # The per-stream outcome in aiserve_rpc_total / _seconds, beside the call's own line.
 STREAM_METHOD = "/aiserve.v1.Inference/GenerateMux:stream"
 
@@ -61,8 +61,8 @@ class _Stream:
 class MuxCall:
     """One GenerateMux call: its open streams and the events waiting to go out."""
 
-    def __init__(self, engine: BatchEngine, model_ref: str) -> None:
-        self._engine, self._model_ref = engine, model_ref
+    def __init__(self, engine: BatchEngine, model_ref: str, metrics: RpcMetrics) -> None:
+        self._engine, self._model_ref, self._metrics = engine, model_ref, metrics
         self._streams: dict[int, _Stream] = {}
         self._outbox: list[inference_pb2.GenerateMuxEvent] = []
         self._wake = asyncio.Event()
@@ -116,7 +116,7 @@ class MuxCall:
         except ApiError as exc:
             self._error(item.stream, item.request.request_id, exc)
             if (stream := self._streams.get(item.stream)) is not None:  # a second start closes it too
-                self._end(stream, exc.code)
+                self._end(stream, grpc_code(exc.kind))
                 stream.cancel()
         except Exception as exc:  # noqa: BLE001 - a bug fails this stream (INTERNAL), not the call
             log.exception("generate_mux_start_failed", request_id=item.request.request_id)
@@ -149,7 +149,7 @@ class MuxCall:
             return  # cancelled or expired meanwhile
         if isinstance(event, BaseException):
             self._error(stream.stream, stream.request_id, event)
-            self._end(stream, event.code if isinstance(event, ApiError) else grpc.StatusCode.INTERNAL)
+            self._end(stream, grpc_code(event.kind) if isinstance(event, ApiError) else grpc.StatusCode.INTERNAL)
             return
         stream.completion_tokens = event.completion_tokens
         self._outbox.append(inference_pb2.GenerateMuxEvent(
@@ -169,28 +169,26 @@ class MuxCall:
 
     def _error(self, stream: int, request_id: str, exc: BaseException) -> None:
         if isinstance(exc, ApiError):
-            code, message = exc.code, exc.message
+            code, message = grpc_code(exc.kind), exc.message
         else:  # the engine's step failed: a bug, reported as Generate's interceptor would
             log.error("generation_failed", request_id=request_id, error=f"{type(exc).__name__}: {exc}")
             code, message = grpc.StatusCode.INTERNAL, f"internal error (request_id={request_id})"
         self._outbox.append(inference_pb2.GenerateMuxEvent(stream=stream, code=code.value[0], message=message))
         self._wake.set()
         if stream not in self._streams:  # refused before it opened: its only log line
-            _record(request_id, code, 0.0, 0)
+            self._record(request_id, code, 0.0, 0)
 
     def _end(self, stream: _Stream, code: grpc.StatusCode) -> None:
         """Close ``stream`` (its last event is already queued, or none is owed)."""
         del self._streams[stream.stream]
         if stream.timer is not None:
             stream.timer.cancel()
-        _record(stream.request_id, code, time.perf_counter() - stream.started, stream.completion_tokens)
+        self._record(stream.request_id, code, time.perf_counter() - stream.started, stream.completion_tokens)
         if not self._streams:
             self._wake.set()  # the call may be over
 
-
-def _record(request_id: str, code: grpc.StatusCode, elapsed_s: float, completion_tokens: int) -> None:
-    """What the interceptor records for a Generate call, for one stream."""
-    RPC_TOTAL.labels("inference", STREAM_METHOD, code.name).inc()
-    RPC_SECONDS.labels("inference", STREAM_METHOD).observe(elapsed_s)
-    log.info("rpc", method=STREAM_METHOD, request_id=request_id, code=code.name,
-             latency_ms=round(elapsed_s * 1000, 2), completion_tokens=completion_tokens)
+    def _record(self, request_id: str, code: grpc.StatusCode, elapsed_s: float, completion_tokens: int) -> None:
+        """What the interceptor records for a Generate call, for one stream."""
+        self._metrics.record(STREAM_METHOD, code, elapsed_s)
+        log.info("rpc", method=STREAM_METHOD, request_id=request_id, code=code.name,
+                 latency_ms=round(elapsed_s * 1000, 2), completion_tokens=completion_tokens)

@@ -18,35 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from aiserve.common.config import require
+from services.inference.engine_config import KVCacheConfig
 from services.inference.prefix_index import BlockCopy
 from services.inference.scheduler import SlotMove
-
-
-@dataclass(frozen=True, slots=True)
-class KVCacheConfig:
-    """How much memory the KV cache takes and how it is split."""
-
-    kv_cache_bytes: int = 2 << 30
-    """Budget of the whole cache (slots + prefix store), allocated once at start."""
-    max_seq_len: int = 2048
-    """Tokens one slot holds (prompt + output); capped by the model's context length. Longer
-    requests are refused; shorter slots mean more of them in the same budget."""
-    prefix_cache_fraction: float = 0.1
-    """Share of ``kv_cache_bytes`` for the prefix store; 0 disables prefix caching."""
-    prefix_block_size: int = 16
-    """Tokens per prefix block; prefixes are matched in whole blocks."""
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first setting out of range and its limit."""
-        require(1 << 20 <= self.kv_cache_bytes <= 1 << 40,
-                f"kv_cache_bytes: must be 1 MiB..1 TiB, got {self.kv_cache_bytes}")
-        require(16 <= self.max_seq_len <= 1 << 20,
-                f"max_seq_len: must be 16..1048576, got {self.max_seq_len}")
-        require(0.0 <= self.prefix_cache_fraction <= 0.9,
-                f"prefix_cache_fraction: must be 0..0.9, got {self.prefix_cache_fraction}")
-        require(1 <= self.prefix_block_size <= 1024,
-                f"prefix_block_size: must be 1..1024, got {self.prefix_block_size}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,54 +20,12 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from aiserve.common.config import require
 from aiserve.common.errors import ResourceExhausted
+from aiserve.common.finish import FinishReason
+from services.inference.engine_config import SchedulerConfig
 from services.inference.prefix_index import BlockCopy, PrefixIndex
 from services.inference.speculative import NgramDrafter
-
-FinishReason = Literal["stop", "length", "cancelled", "error", "deadline"]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    """How the scheduler batches: the running batch, the per-step budget and the queue."""
-
-    max_num_seqs: int = 64
-    """Sequences in the running batch at once (also the most KV slots used)."""
-    max_num_batched_tokens: int = 512
-    """Tokens computed per step: every decode first, then prefill chunks with what is left,
-    so a long prompt is prefilled in chunks and never stalls running decodes. >= max_num_seqs."""
-    max_queue_len: int = 256
-    """Requests that may wait at once; one more is RESOURCE_EXHAUSTED."""
-    batch_wait_ms: float = 5.0
-    """When nothing runs, a new arrival waits this long for company before the first step
-    (a full batch fires at once). Running batches take new requests at the next step."""
-    enable_preemption: bool = True
-    """When every slot is taken, a waiting request of higher priority evicts the
-    lowest-priority running sequence, which is recomputed when it is admitted again."""
-    num_speculative_tokens: int = 2
-    """Draft tokens a decoding sequence with a drafter may add to a step (verified in the same
-    forward, kept while the model agrees); 0 = no speculative decoding."""
-    speculative_max_step_tokens: int = 32
-    """Drafts only fill a step up to this many tokens: a small step reads the weights anyway
-    and computes the drafts almost for free, a large one pays for each draft row."""
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first setting out of range and its limit."""
-        require(1 <= self.max_num_seqs <= 4096, f"max_num_seqs: must be 1..4096, got {self.max_num_seqs}")
-        require(self.max_num_seqs <= self.max_num_batched_tokens <= 1 << 20,
-                f"max_num_batched_tokens: must be max_num_seqs ({self.max_num_seqs})..{1 << 20}, "
-                f"got {self.max_num_batched_tokens}")
-        require(1 <= self.max_queue_len <= 100_000,
-                f"max_queue_len: must be 1..100000, got {self.max_queue_len}")
-        require(0.0 <= self.batch_wait_ms <= 10_000,
-                f"batch_wait_ms: must be 0..10000 ms, got {self.batch_wait_ms}")
-        require(0 <= self.num_speculative_tokens <= 16,
-                f"num_speculative_tokens: must be 0..16, got {self.num_speculative_tokens}")
-        require(0 <= self.speculative_max_step_tokens <= 1 << 20,
-                f"speculative_max_step_tokens: must be 0..{1 << 20}, got {self.speculative_max_step_tokens}")
 
 
 class SeqStatus(enum.Enum):
@@ -86,13 +44,15 @@ class Seq:
     max_new_tokens: int
     priority: int = 0
     deadline: float | None = None
-    """A clock instant; passed while waiting -> finished with "deadline", never run."""
+    """A clock instant; passed while waiting -> finished as expired, never run."""
     stop_token_ids: frozenset[int] = frozenset()
     arrival: float = 0.0
     status: SeqStatus = SeqStatus.WAITING
     num_computed_tokens: int = 0
     slot: int | None = None
     finish_reason: FinishReason | None = None
+    is_expired: bool = False
+    """Finished because its deadline passed while it waited (``finish_reason`` CANCELLED)."""
     first_scheduled: float | None = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
@@ -206,9 +166,8 @@ class Scheduler:
     def add(self, seq: Seq) -> None:
         """Queue ``seq``. ResourceExhausted when the queue is full; ValueError if it cannot fit
         one slot (the engine validates that first, with the limit named)."""
-        if self._num_waiting >= self.config.max_queue_len:
-            raise ResourceExhausted(
-                f"inference queue is full (max_queue_len {self.config.max_queue_len})")
+        if self._num_waiting >= self.config.max_queue:
+            raise ResourceExhausted(f"inference queue is full (max_queue {self.config.max_queue})")
         if seq.num_prompt_tokens + seq.max_new_tokens > self.slot_len or not seq.token_ids:
             raise ValueError(f"sequence needs {seq.num_prompt_tokens}+{seq.max_new_tokens} "
                              f"tokens; a slot holds {self.slot_len}")
@@ -221,7 +180,7 @@ class Scheduler:
         if seq.is_finished:
             return False
         self._remove(seq)
-        self._finish(seq, "cancelled", report=True)
+        self._finish(seq, FinishReason.CANCELLED, report=True)
         return True
 
     def schedule(self) -> SchedulerOutput:
@@ -259,11 +218,11 @@ class Scheduler:
                 count += 1
                 if token in seq.stop_token_ids:
                     self._remove(seq)
-                    self._finish(seq, "stop", report=False)
+                    self._finish(seq, FinishReason.STOP, report=False)
                     break
                 if seq.num_output_tokens >= seq.max_new_tokens:
                     self._remove(seq)
-                    self._finish(seq, "length", report=False)
+                    self._finish(seq, FinishReason.LENGTH, report=False)
                     break
             grown.append((seq, count))
         if self.prefix is not None:
@@ -280,7 +239,7 @@ class Scheduler:
         for seq in victims:
             if seq.status is SeqStatus.RUNNING:
                 self._remove(seq)
-                self._finish(seq, "error", report=False)
+                self._finish(seq, FinishReason.ERROR, report=False)
                 failed.append(seq)
         return failed
 
@@ -331,7 +290,8 @@ class Scheduler:
         for _, _, seq in self._waiting:
             if seq.status is SeqStatus.WAITING and seq.deadline is not None and seq.deadline <= now:
                 self._num_waiting -= 1
-                self._finish(seq, "deadline", report=True)
+                seq.is_expired = True
+                self._finish(seq, FinishReason.CANCELLED, report=True)
 
     def _admit(self) -> list[BlockCopy]:
         """Move waiting sequences into free slots in priority order; return prefix loads."""

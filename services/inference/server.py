@@ -9,13 +9,14 @@ from pathlib import Path
 
 import torch
 from grpc import aio
-from prometheus_client import REGISTRY
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from aiserve.common.errors import NotFound
+from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
+from aiserve.model_facts import read_model_facts
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.batch_engine import BatchEngine, EngineStats
@@ -23,7 +24,7 @@ from services.inference.config import InferenceConfig
 from services.inference.generate_mux import MuxCall
 from services.inference.llama import LlamaModel
 from services.inference.messages import from_pb, to_pb
-from services.inference.model import TORCH_DTYPES, ModelInfo, eos_token_ids
+from services.inference.model import TORCH_DTYPES, ModelInfo
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import in_fresh_thread
 
@@ -44,12 +45,10 @@ def rss_bytes() -> int:
 class EngineCollector(Collector):
     """Prometheus view of ``BatchEngine.stats()``, read at scrape time (no per-step updates)."""
 
-    def __init__(self) -> None:
-        self.engine: BatchEngine | None = None
+    def __init__(self, engine: BatchEngine) -> None:
+        self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        if self.engine is None:
-            return
         s = self.engine.stats()
         rss = rss_bytes()
         p = "aiserve_inference_"
@@ -72,9 +71,6 @@ class EngineCollector(Collector):
                                   value=s.num_accepted_draft_tokens)
 
 
-COLLECTOR = EngineCollector()
-REGISTRY.register(COLLECTOR)
-
 def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
     return inference_pb2.InferenceStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
@@ -90,9 +86,10 @@ def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.In
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """aiserve.v1.Inference over one loaded model and its engine."""
 
-    def __init__(self, engine: BatchEngine, model: ModelInfo) -> None:
+    def __init__(self, engine: BatchEngine, model: ModelInfo, metrics: RpcMetrics) -> None:
         self.engine = engine
         self.model = model
+        self.metrics = metrics
         self._muxes: set[MuxCall] = set()
         self._is_stopping = False
 
@@ -122,7 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     ) -> AsyncIterator[inference_pb2.GenerateMuxResponse]:
         """Generate for many generations over one call; each step's events in one message
         (generate_mux.py)."""
-        mux = MuxCall(self.engine, str(self.model.ref))
+        mux = MuxCall(self.engine, str(self.model.ref), self.metrics)
         if self._is_stopping:
             mux.stop()
         self._muxes.add(mux)
@@ -163,8 +160,7 @@ def build_engine(config: InferenceConfig, folder: Path) -> BatchEngine:
     dtype = TORCH_DTYPES[config.dtype]
     matmul = None if config.matmul_dtype == "auto" else TORCH_DTYPES[config.matmul_dtype]
     model = LlamaModel.load(folder, config.device, dtype, matmul)
-    return BatchEngine(model, eos_token_ids(folder), config.scheduler_config(), config.kv_cache_config(),
-                       config.max_new_tokens_limit)
+    return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)
 
 
 async def create_server(config: InferenceConfig) -> ServiceHandle:
@@ -183,14 +179,16 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     except BaseException:
         await engine.stop()
         raise
-    servicer = InferenceServicer(engine, model)
+    servicer = InferenceServicer(engine, model, handle.rpc_metrics)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, handle.server)
+    handle.servicer = servicer
     handle.on_stopping.append(servicer.stop_muxes)
     handle.on_close.append(engine.stop)
-    COLLECTOR.engine = engine
-    if engine.scheduler.capacity < config.max_num_seqs:
-        log.warning("kv_cache_caps_batch", max_num_seqs=config.max_num_seqs, kv_slots=engine.scheduler.capacity,
-                    kv_cache_bytes=config.kv_cache_bytes, max_seq_len=engine.scheduler.slot_len)
+    handle.registry.register(EngineCollector(engine))
+    if engine.scheduler.capacity < config.engine.scheduler.max_num_seqs:
+        log.warning("kv_cache_caps_batch", max_num_seqs=config.engine.scheduler.max_num_seqs,
+                    kv_slots=engine.scheduler.capacity, kv_cache_bytes=config.engine.kv_cache.kv_cache_bytes,
+                    max_seq_len=engine.scheduler.slot_len)
     log.info("model_loaded", model=str(model.ref), device=model.device, dtype=model.dtype,
              matmul_dtype=str(engine.model.matmul_dtype).removeprefix("torch."),
              max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,

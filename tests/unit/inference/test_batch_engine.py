@@ -12,11 +12,10 @@ import torch
 
 from aiserve.common.errors import DeadlineExceeded, ResourceExhausted, Unavailable
 from services.inference.batch_engine import BatchEngine
-from services.inference.kv_cache import KVCacheConfig
+from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
 from services.inference.llama import LlamaModel
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
-from services.inference.scheduler import SchedulerConfig
 
 MAX_NEW = 10
 
@@ -39,7 +38,7 @@ async def engine(model: LlamaModel) -> AsyncIterator[BatchEngine]:
 def make_engine(model: LlamaModel, **settings: object) -> BatchEngine:
     config = SchedulerConfig(**{"max_num_seqs": 8, "max_num_batched_tokens": 128, **settings})  # type: ignore[arg-type]
     kv = KVCacheConfig(kv_cache_bytes=96 << 20, max_seq_len=128, prefix_block_size=8)
-    return BatchEngine(model, frozenset({2}), config, kv, max_new_tokens_limit=64)
+    return BatchEngine(model, frozenset({2}), EngineConfig(64, config, kv))
 
 
 def prompts(count: int, seed: int = 0) -> list[tuple[int, ...]]:
@@ -169,11 +168,11 @@ async def test_deadline_passing_in_the_queue_raises_deadline_exceeded(model: Lla
 
 
 async def test_full_queue_raises_and_stop_fails_the_queued(model: LlamaModel) -> None:
-    engine = make_engine(model, max_queue_len=1)  # not started: requests stay queued
+    engine = make_engine(model, max_queue=1)  # not started: requests stay queued
     first = engine.generate(request(prompts(1)[0]))
     pending = asyncio.ensure_future(first.__anext__())
     await asyncio.sleep(0)  # let it queue
-    with pytest.raises(ResourceExhausted, match="max_queue_len"):
+    with pytest.raises(ResourceExhausted, match="max_queue"):
         await engine.generate(request(prompts(1)[0])).__anext__()
     await engine.stop()
     with pytest.raises(Unavailable):

@@ -16,12 +16,11 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from aiserve.model_facts import read_model_facts
 from services.inference.batch_engine import BatchEngine
-from services.inference.kv_cache import KVCacheConfig
+from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
 from services.inference.llama import LlamaModel
-from services.inference.model import eos_token_ids
 from services.inference.request import GenerateRequest, TokenEvent
-from services.inference.scheduler import SchedulerConfig
 
 LONG = 400  # more tokens than any test waits for: such a request runs until cancelled
 MAX_SEQ_LEN = 512
@@ -41,9 +40,9 @@ def tokenizer(model_dir: Path) -> Tokenizer:
 @pytest.fixture
 async def engine(loaded: LlamaModel, model_dir: Path) -> AsyncIterator[BatchEngine]:
     # one slot and no preemption: the one-at-a-time behaviour these tests pin down
-    config = SchedulerConfig(max_num_seqs=1, max_queue_len=2, enable_preemption=False)
+    config = SchedulerConfig(max_num_seqs=1, max_queue=2, enable_preemption=False)
     kv = KVCacheConfig(kv_cache_bytes=32 << 20, max_seq_len=MAX_SEQ_LEN)
-    engine = BatchEngine(loaded, eos_token_ids(model_dir), config, kv, max_new_tokens_limit=LONG)
+    engine = BatchEngine(loaded, read_model_facts(model_dir).eos_token_ids, EngineConfig(LONG, config, kv))
     engine.start()
     try:
         yield engine
@@ -71,7 +70,7 @@ def test_weights_live_in_ordinary_memory(loaded: LlamaModel, model_dir: Path) ->
     if not maps.exists():
         pytest.skip("needs /proc")
     assert str((model_dir / "model.safetensors").resolve()) not in maps.read_text()
-    assert eos_token_ids(model_dir) == frozenset({2})  # <|im_end|>, from config and tokenizer
+    assert read_model_facts(model_dir).eos_token_ids == frozenset({2})  # <|im_end|>, from config and tokenizer
     assert (loaded.config.max_position_embeddings, loaded.config.vocab_size) == (8192, 49152)
 
 
@@ -174,7 +173,7 @@ async def test_full_queue_is_resource_exhausted(engine: BatchEngine, tokenizer: 
     try:
         await asyncio.sleep(0)  # one loop turn: each task's first anext enqueues synchronously
         assert engine.num_waiting == 2  # max_queue
-        with pytest.raises(ResourceExhausted, match="max_queue_len"):
+        with pytest.raises(ResourceExhausted, match="max_queue"):
             await collect(engine, make_request("over", (1, 2), 1))
     finally:
         for task in tasks:

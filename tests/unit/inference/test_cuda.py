@@ -14,10 +14,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from services.inference.batch_engine import BatchEngine
-from services.inference.kv_cache import KVCacheConfig
+from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
 from services.inference.llama import LlamaModel
 from services.inference.request import GenerateRequest
-from services.inference.scheduler import SchedulerConfig
 from tests.unit.inference.test_llama import CUDA_ONLY, tiny
 
 NEW = 12
@@ -35,8 +34,9 @@ async def test_concurrent_greedy_requests_on_cuda_match_transformers(tmp_path: P
         expected = [hf.generate(torch.tensor([p], device=cuda), do_sample=False, max_new_tokens=NEW,
                                 min_new_tokens=NEW)[0, len(p):].tolist() for p in prompts]
     model = LlamaModel.load(folder, cuda, torch.float32)
-    engine = BatchEngine(model, frozenset(), SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
-                         KVCacheConfig(kv_cache_bytes=8 << 20, max_seq_len=64, prefix_cache_fraction=0.0))
+    engine = BatchEngine(model, frozenset(), EngineConfig(
+        scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+        kv_cache=KVCacheConfig(kv_cache_bytes=8 << 20, max_seq_len=64, prefix_cache_fraction=0.0)))
     engine.start()
     try:
         async def one(i: int) -> list[int]:

@@ -12,11 +12,13 @@ import pytest_asyncio
 import torch
 from grpc import aio
 
+from aiserve.common.config import config_with
 from aiserve.common.server import ServiceHandle
 from aiserve.store import ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
+from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
-from services.inference.server import COLLECTOR, create_server
+from services.inference.server import InferenceServicer, create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT_S = 60.0
@@ -33,8 +35,8 @@ class Served:
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def served(store: ModelStore) -> AsyncIterator[Served]:
     torch.set_num_threads(2)
-    config = InferenceConfig(port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
-                             max_num_seqs=4, kv_cache_bytes=256 << 20, max_seq_len=1024)
+    config = config_with(InferenceConfig, port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
+                         max_num_seqs=4, kv_cache_bytes=256 << 20, max_seq_len=1024)
     handle = await create_server(config)
     try:
         await handle.start()
@@ -81,9 +83,13 @@ def closes(event: inference_pb2.GenerateMuxEvent) -> bool:
     return bool(event.code) or event.response.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
-async def engine_idle() -> bool:
-    assert COLLECTOR.engine is not None
-    return await COLLECTOR.engine.wait_idle(TIMEOUT_S)
+def engine_of(served: Served) -> BatchEngine:
+    assert isinstance(servicer := served.handle.servicer, InferenceServicer)
+    return servicer.engine
+
+
+async def engine_idle(served: Served) -> bool:
+    return await engine_of(served).wait_idle(TIMEOUT_S)
 
 
 async def test_streams_get_what_generate_gives_with_a_step_in_one_message(served: Served) -> None:
@@ -106,7 +112,7 @@ async def test_streams_get_what_generate_gives_with_a_step_in_one_message(served
     # one engine step's events travel together: far fewer messages than events
     assert max(len({e.stream for e in reply.events}) for reply in mux.replies) == 4
     assert len(mux.replies) < sum(lengths.values()) / 2
-    assert await engine_idle()
+    assert await engine_idle(served)
 
 
 async def test_a_bad_item_fails_its_own_stream_only(served: Served) -> None:
@@ -125,13 +131,12 @@ async def test_a_bad_item_fails_its_own_stream_only(served: Served) -> None:
     assert "id 1000000 is outside the vocabulary" in mux.events[5][-1].message
     assert mux.events[1][-1].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert "stream: 1 is already open" in mux.events[1][-1].message
-    assert await engine_idle()  # the closed stream 1 left the batch
+    assert await engine_idle(served)  # the closed stream 1 left the batch
 
 
 async def test_a_bug_in_one_start_fails_that_stream_with_internal_only(
         served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = COLLECTOR.engine
-    assert engine is not None
+    engine = engine_of(served)
     submit = engine.submit
 
     def broken_for_s2(request, deliver):  # noqa: ANN001, ANN202
@@ -155,7 +160,7 @@ async def test_a_cancel_item_takes_the_generation_out_and_the_call_goes_on(serve
     await mux.send(start(1, LONG))
     await mux.until(1, first_only=True)
     await mux.send(inference_pb2.GenerateMuxItem(stream=1, cancel=True))
-    assert await engine_idle()  # out of the batch, its KV slot freed, long before LONG tokens
+    assert await engine_idle(served)  # out of the batch, its KV slot freed, long before LONG tokens
     stats = await served.stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     await mux.send(start(2, 2))
@@ -172,7 +177,7 @@ async def test_a_deadline_that_passes_while_running_ends_the_stream(served: Serv
     last = mux.events[1][-1]
     assert last.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
     assert "deadline passed after" in last.message and len(mux.events[1]) > 1  # it ran, then expired
-    assert await engine_idle()
+    assert await engine_idle(served)
     mux.call.cancel()
 
 
@@ -181,7 +186,7 @@ async def test_ending_the_call_cancels_its_generations(served: Served) -> None:
     await mux.send(start(1, LONG), start(2, LONG))
     await mux.until(1, 2, first_only=True)
     mux.call.cancel()
-    assert await engine_idle()
+    assert await engine_idle(served)
 
 
 async def test_stopping_refuses_new_streams_and_ends_the_call_after_the_running_ones(served: Served) -> None:

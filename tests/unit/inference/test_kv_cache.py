@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from aiserve.common.config import ConfigError
-from services.inference.kv_cache import KVCache, KVCacheConfig, KVLayout, KVPlan
+from services.inference.engine_config import KVCacheConfig
+from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.prefix_index import BlockCopy
 from services.inference.scheduler import SlotMove
 

@@ -118,10 +118,10 @@ def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes() -> None:
 
 
 def test_queue_limit_raises_resource_exhausted() -> None:
-    s = make_scheduler(max_queue_len=2)
+    s = make_scheduler(max_queue=2)
     s.add(seq())
     s.add(seq())
-    with pytest.raises(ResourceExhausted, match="max_queue_len 2"):
+    with pytest.raises(ResourceExhausted, match="max_queue 2"):
         s.add(seq())
 
 
@@ -134,7 +134,7 @@ def test_deadline_passing_in_the_queue_finishes_the_request_unrun() -> None:
     step(s)
     clock.now += 1.0
     out = step(s)
-    assert late.is_finished and late.finish_reason == "deadline" and out.finished == (late,)
+    assert late.is_finished and late.is_expired and late.finish_reason == "cancelled" and out.finished == (late,)
     assert late.num_computed_tokens == 0 and late.first_scheduled is None
     assert s.num_waiting == 0
 

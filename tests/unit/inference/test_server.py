@@ -12,10 +12,12 @@ import torch
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from aiserve.common.config import config_with
+from aiserve.common.server import ServiceHandle
 from aiserve.store import Manifest, ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
-from services.inference.server import COLLECTOR, create_server
+from services.inference.server import create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TIMEOUT_S = 60.0
@@ -24,19 +26,24 @@ PROMPT = [1, 9690, 198, 19556, 30, 2, 198, 1, 520, 9531, 198]  # system 'Hello.'
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def channel(store: ModelStore) -> AsyncIterator[aio.Channel]:
+async def handle(store: ModelStore) -> AsyncIterator[ServiceHandle]:
     torch.set_num_threads(2)
     # one sequence at a time, so a second request queues (the deadline test below)
-    config = InferenceConfig(port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
-                             max_num_seqs=1, kv_cache_bytes=256 << 20, max_seq_len=MAX_SEQ_LEN)
+    config = config_with(InferenceConfig, port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
+                         max_num_seqs=1, kv_cache_bytes=256 << 20, max_seq_len=MAX_SEQ_LEN)
     handle = await create_server(config)
     try:
         await handle.start()
         await handle.set_serving(True)
-        async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
-            yield channel
+        yield handle
     finally:
         await handle.stop(0)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def channel(handle: ServiceHandle) -> AsyncIterator[aio.Channel]:
+    async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+        yield channel
 
 
 def generate_request(max_new_tokens: int = 5, **fields: object) -> inference_pb2.InferenceRequest:
@@ -75,7 +82,8 @@ async def test_stats_reports_the_engine(channel: aio.Channel) -> None:
     assert 0 < after.kv_share_of_rss < 1 and after.rss_bytes > after.kv_total_bytes
 
 
-async def test_confirmed_drafts_arrive_as_several_ids_and_are_counted(channel: aio.Channel) -> None:
+async def test_confirmed_drafts_arrive_as_several_ids_and_are_counted(
+        handle: ServiceHandle, channel: aio.Channel) -> None:
     """Speculative decoding (on by default for greedy requests) over gRPC: a prompt that
     repeats itself gets drafts, a message may carry several ids, Stats counts them."""
     stub = inference_pb2_grpc.InferenceStub(channel)
@@ -91,9 +99,10 @@ async def test_confirmed_drafts_arrive_as_several_ids_and_are_counted(channel: a
     assert accepted == 18 - len(messages)  # each message is one step: one id + its confirmed drafts
     assert after.num_draft_tokens - before.num_draft_tokens >= accepted
     # the Prometheus view reads the same snapshot
-    metrics = {m.name: m.samples[0].value for m in COLLECTOR.collect()}
-    assert metrics["aiserve_inference_accepted_draft_tokens"] >= after.num_accepted_draft_tokens
-    assert metrics["aiserve_inference_draft_tokens"] >= after.num_draft_tokens > 0
+    accepted_total = handle.registry.get_sample_value("aiserve_inference_accepted_draft_tokens_total")
+    drafted_total = handle.registry.get_sample_value("aiserve_inference_draft_tokens_total")
+    assert accepted_total is not None and accepted_total >= after.num_accepted_draft_tokens
+    assert drafted_total is not None and drafted_total >= after.num_draft_tokens > 0
 
 
 async def test_request_id_defaults_to_the_metadata_one(channel: aio.Channel) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.inference.scheduler import Scheduler, SchedulerConfig, Seq, SlotMove
+from services.inference.engine_config import SchedulerConfig
+from services.inference.scheduler import Scheduler, Seq, SlotMove
 from services.inference.speculative import NgramDrafter, accept
 
 STOP = 99

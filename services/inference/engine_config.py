@@ -1,0 +1,101 @@
+"""The engine's settings: the scheduler's, the KV cache's and the engine's own, each default once.
+
+The inference service's settings (``InferenceConfig``) embed these; the settings loader maps
+the flat names (``AISERVE_INFERENCE_MAX_NUM_SEQS``, ``--kv-cache-bytes``) onto them, so an
+engine built in a test or a benchmark from the same values is the engine the service runs.
+Pure Python: no torch, no grpc.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aiserve.common.config import require
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """How the scheduler batches: the running batch, the per-step budget and the queue."""
+
+    max_num_seqs: int = 64
+    """Sequences in the running batch at once (each holds one KV slot); the knee of the
+    batch-size sweep (bench/engine_bench.py, README). 1..4096."""
+    max_num_batched_tokens: int = 512
+    """Tokens computed per step: every decode first, then prefill chunks with what is left, so a
+    long prompt is prefilled in chunks and never stalls running decodes. max_num_seqs..1048576."""
+    max_queue: int = 256
+    """Requests that may wait for a place in the batch at once; one more is RESOURCE_EXHAUSTED.
+    1..100000."""
+    batch_wait_ms: float = 5.0
+    """When nothing runs, a new arrival waits this long (ms) for company before the first step (a
+    full batch fires at once). Running batches take new requests at the next step. 0..10000."""
+    enable_preemption: bool = True
+    """When every slot is taken, a waiting request of higher priority evicts the lowest-priority
+    running sequence, which is recomputed when it is admitted again."""
+    num_speculative_tokens: int = 2
+    """Speculative decoding for greedy requests: draft tokens a sequence may add to a step, found
+    by n-gram lookup in its own prompt and output and verified in the same forward (the output is
+    unchanged); 0 disables it. 0..16."""
+    speculative_max_step_tokens: int = 32
+    """Drafts only fill a step up to this many tokens: a small step reads the weights anyway and
+    computes the drafts almost for free, a large one pays for each draft row. 0..1048576."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range and its limit."""
+        require(1 <= self.max_num_seqs <= 4096, f"max_num_seqs: must be 1..4096, got {self.max_num_seqs}")
+        require(self.max_num_seqs <= self.max_num_batched_tokens <= 1 << 20,
+                f"max_num_batched_tokens: must be max_num_seqs ({self.max_num_seqs})..{1 << 20}, "
+                f"got {self.max_num_batched_tokens}")
+        require(1 <= self.max_queue <= 100_000, f"max_queue: must be 1..100000, got {self.max_queue}")
+        require(0.0 <= self.batch_wait_ms <= 10_000,
+                f"batch_wait_ms: must be 0..10000 ms, got {self.batch_wait_ms}")
+        require(0 <= self.num_speculative_tokens <= 16,
+                f"num_speculative_tokens: must be 0..16, got {self.num_speculative_tokens}")
+        require(0 <= self.speculative_max_step_tokens <= 1 << 20,
+                f"speculative_max_step_tokens: must be 0..{1 << 20}, got {self.speculative_max_step_tokens}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """How much memory the KV cache takes and how it is split."""
+
+    kv_cache_bytes: int = 3 << 30
+    """Bytes of the KV cache (slots + prefix store), allocated once at start. 3 GiB holds 64
+    bf16 slots of 2048 tokens for the default model (32 in float32); fewer slots than
+    max_num_seqs caps the batch at the slots (logged at start). 1 MiB..1 TiB."""
+    max_seq_len: int = 2048
+    """Tokens of prompt + output one sequence may hold (one KV slot); capped by the model's
+    context length. Longer requests are refused; shorter slots mean more of them in the same
+    budget. Info reports min(model context, max_seq_len). 16..1048576."""
+    prefix_cache_fraction: float = 0.05
+    """Share of kv_cache_bytes kept for reusable prompt prefixes; 0 disables prefix caching. 0..0.9."""
+    prefix_block_size: int = 16
+    """Tokens per prefix block; prefixes are matched in whole blocks. 1..1024."""
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range and its limit."""
+        require(1 << 20 <= self.kv_cache_bytes <= 1 << 40,
+                f"kv_cache_bytes: must be 1 MiB..1 TiB, got {self.kv_cache_bytes}")
+        require(16 <= self.max_seq_len <= 1 << 20,
+                f"max_seq_len: must be 16..1048576, got {self.max_seq_len}")
+        require(0.0 <= self.prefix_cache_fraction <= 0.9,
+                f"prefix_cache_fraction: must be 0..0.9, got {self.prefix_cache_fraction}")
+        require(1 <= self.prefix_block_size <= 1024,
+                f"prefix_block_size: must be 1..1024, got {self.prefix_block_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything a ``BatchEngine`` is built from besides its model."""
+
+    max_new_tokens_limit: int = 4096
+    """Largest max_new_tokens one request may ask for (max_seq_len also bounds it). 1..1000000."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range and its limit."""
+        require(1 <= self.max_new_tokens_limit <= 1_000_000,
+                f"max_new_tokens_limit: must be 1..1000000, got {self.max_new_tokens_limit}")
+        self.scheduler.validate()
+        self.kv_cache.validate()
