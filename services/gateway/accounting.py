@@ -19,10 +19,10 @@ from types import TracebackType
 from aiserve.common.errors import ApiError, Unauthenticated
 from aiserve.common.logging import get_logger
 from services.gateway.config import GatewayConfig
+from services.gateway.domain import Final, GatewayRequest
 from services.gateway.feedback import Feedback, RepeatDetector
 from services.gateway.ledger import Bucket, Ledger, Totals, UsageRow
 from services.gateway.limits import Limits, Reservation
-from services.gateway.pipeline import Final, GatewayRequest
 from services.gateway.pricing import PriceTable
 from services.gateway.tenants import KeyStore, Tenant, Tier, tiers_from
 

@@ -25,7 +25,7 @@ class GatewayConfig(ServiceConfig):
     generate_mux: bool = True
     """Run every generation over one shared GenerateMux call (one message per engine step);
     false = one Generate call per generation, for an L7 balancer (a mesh sidecar) that spreads
-    calls over several inference replicas behind one address (decision 34)."""
+    calls over several inference replicas behind one address (docs/decisions.md, decision 34)."""
     cache_address: str = "127.0.0.1:50054"
     """host:port of the cache service; empty disables caching."""
     default_model: str = DEFAULT_MODEL_REF
@@ -88,7 +88,7 @@ class GatewayConfig(ServiceConfig):
     """"day" or "month": the UTC calendar period a budget covers."""
     repeat_window_s: float = 300.0
     """A tenant asking a near-identical question within this many seconds is recorded as a
-    passive "repeat" signal on the earlier request (source §8.2)."""
+    passive "repeat" signal on the earlier request (docs/gateway.md, "Feedback")."""
     repeat_similarity: float = 0.85
     """Similarity (Jaccard of character 3-grams of the normalised question) that counts as
     near-identical, 0..1."""

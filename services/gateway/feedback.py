@@ -1,4 +1,4 @@
-"""Feedback on answers (source §8.2): ratings by request id, and two passive signals.
+"""Feedback on answers (docs/gateway.md, "Feedback"): ratings by request id, and two passive signals.
 
 * ``rating``: the tenant says an answer was good (1) or bad (-1), with an optional comment.
   Only the tenant's own requests can be rated; any other id is NOT_FOUND, so a tenant cannot

@@ -1,4 +1,5 @@
-"""Prices per model version, and what a request costs (source §6.1: tokens and compute time).
+"""Prices per model version, and what a request costs: its tokens and its compute time
+(docs/gateway.md, "Costs").
 
 Costs are integers in millionths of the configured currency unit ("micros"). No grpc, no pb.
 """

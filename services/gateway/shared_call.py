@@ -1,4 +1,5 @@
-"""A long-lived bidirectional call that every running generation shares (decisions 32, 34).
+"""A long-lived bidirectional call that every running generation shares (docs/decisions.md,
+decisions 32 and 34). The edge: this is gRPC plumbing under the two mux clients.
 
 One engine step makes a token for each running sequence, and their messages reach the gateway
 within a millisecond or two. A call per generation would cost gRPC messages per token in the
@@ -27,8 +28,7 @@ from grpc import aio
 
 from aiserve.common.errors import ApiError, Unavailable
 from aiserve.common.logging import get_logger
-from aiserve.common.status import code_of_number
-from services.gateway.backends import status_error
+from services.gateway.backend_errors import status_error
 
 log = get_logger("shared_call")
 
@@ -141,7 +141,3 @@ class Reopening(Generic[CallT]):
             self._current = None
             await current.close()
 
-
-def item_error(service: str, code: int, message: str) -> ApiError | RuntimeError:
-    """The error of one generation's item, from the code and message its answer carries."""
-    return status_error(service, code_of_number(code), message)

@@ -1,4 +1,4 @@
-"""Request validation and sampling resolution: presets, defaults, ranges (DESIGN.md §4).
+"""Request validation and sampling resolution: presets, defaults, ranges (docs/gateway.md).
 
 Every error names the field and its limit, and is INVALID_ARGUMENT. No grpc or pb here.
 """
@@ -6,7 +6,9 @@ Every error names the field and its limit, and is INVALID_ARGUMENT. No grpc or p
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from datetime import datetime
 
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.protocol import CHAT_ROLES
@@ -48,7 +50,7 @@ class Sampling:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
 
-# Source §2.3: factual Q&A wants a low temperature with top-p 0.9; creative writing a higher
+# Factual Q&A wants a low temperature with top-p 0.9; creative writing a higher
 # temperature with a repetition penalty.
 PRESETS: dict[str, dict[str, float]] = {
     "": {},
@@ -106,7 +108,7 @@ def resolve_sampling(given: SamplingInput, config: GatewayConfig) -> Sampling:
     )
 
 
-def validate_input(prompt: str | None, messages: list[tuple[str, str]] | None, config: GatewayConfig) -> None:
+def validate_input(prompt: str | None, messages: Sequence[tuple[str, str]] | None, config: GatewayConfig) -> None:
     """Exactly one of prompt / chat; non-empty; within the character limits."""
     if prompt is None and messages is None:
         raise InvalidArgument("input: set either prompt or chat")
@@ -136,9 +138,9 @@ def validate_input(prompt: str | None, messages: list[tuple[str, str]] | None, c
         raise InvalidArgument(f"chat.messages: at most {config.max_prompt_chars} characters in all, got {total}")
 
 
-def fit_prompt(token_ids: list[int], max_new_tokens: int, context_length: int, model: str,
-               max_prompt_tokens: int, truncate_left: bool) -> list[int]:
-    """Source §2.2: the context is a hard limit, and so is the max_prompt_tokens setting.
+def fit_prompt(token_ids: Sequence[int], max_new_tokens: int, context_length: int, model: str,
+               max_prompt_tokens: int, truncate_left: bool) -> Sequence[int]:
+    """The context is a hard limit, and so is the max_prompt_tokens setting.
     Refuse a prompt over either (INVALID_ARGUMENT naming the limit), or keep its newest tokens
     when the request asked for truncation."""
     room = context_length - max_new_tokens
@@ -161,3 +163,32 @@ def fit_prompt(token_ids: list[int], max_new_tokens: int, context_length: int, m
         f"prompt: {len(token_ids)} tokens, over the limit of max_prompt_tokens {max_prompt_tokens}; "
         "shorten it or set truncation=TRUNCATION_LEFT"
     )
+
+
+def checked_min_similarity(value: float | None) -> float | None:
+    """A request's cache_min_similarity, validated: [0, 1] or unset."""
+    if value is not None and not 0.0 <= value <= 1.0:  # NaN fails too
+        raise InvalidArgument(f"cache_min_similarity: must be in [0, 1], got {value}")
+    return value
+
+
+def rfc3339_ms(field: str, text: str) -> int | None:
+    """An RFC 3339 time as Unix milliseconds; "" = None; INVALID_ARGUMENT names the field."""
+    if not text:
+        return None
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise InvalidArgument(f"{field}: must be an RFC 3339 time with an offset, e.g. 2025-01-31T00:00:00Z, "
+                              f"got {text!r}")
+    return int(moment.timestamp() * 1000)
+
+
+def usage_period(since: str, until: str) -> tuple[int | None, int | None]:
+    """GetUsage's period as Unix ms (``since`` inclusive, ``until`` exclusive; "" = open)."""
+    since_ms, until_ms = rfc3339_ms("since", since), rfc3339_ms("until", until)
+    if since_ms is not None and until_ms is not None and until_ms < since_ms:
+        raise InvalidArgument(f"until: must not be before since ({since}), got {until}")
+    return since_ms, until_ms

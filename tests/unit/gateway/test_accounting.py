@@ -13,7 +13,7 @@ from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unauthenti
 from services.gateway.accounting import Accounting
 from services.gateway.config import GatewayConfig
 from services.gateway.ledger import Ledger, UsageRow
-from services.gateway.pipeline import Final, GatewayRequest, UsageRecord
+from services.gateway.domain import Final, GatewayRequest, UsageRecord
 from services.gateway.tenants import KeyStore, Tenant
 from services.gateway.validation import SamplingInput, resolve_sampling
 

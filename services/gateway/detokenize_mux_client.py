@@ -1,4 +1,7 @@
-"""The gateway's side of the tokenizer's DetokenizeMux: every running generation shares one call.
+"""The gateway's end of the tokenizer's DetokenizeMux: every running generation shares one call.
+
+The edge: the ``Detokenizer`` of ``services/gateway/interfaces.py`` over gRPC (items and deltas
+are pb here; the pipeline pushes token ids and gets text back).
 
 One engine step makes a token for each running sequence, and their messages reach the gateway
 within a millisecond or two. With a DetokenizeStream per generation that is two more gRPC
@@ -18,7 +21,8 @@ import asyncio
 
 from aiserve.common.errors import ApiError, DeadlineExceeded
 from aiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.gateway.shared_call import Reopening, SharedCall, item_error
+from services.gateway.backend_errors import item_error
+from services.gateway.shared_call import Reopening, SharedCall
 
 
 class _Call(SharedCall[tokenizer_pb2.DetokenizeMuxItem]):
@@ -46,7 +50,7 @@ class _Call(SharedCall[tokenizer_pb2.DetokenizeMuxItem]):
         self.waiting.clear()
 
 
-class DetokenizeMux:
+class DetokenizeMuxClient:
     """Opens ``MuxStream``s, one per generation, over a shared DetokenizeMux call."""
 
     def __init__(self, stub: tokenizer_pb2_grpc.TokenizerStub) -> None:

@@ -1,4 +1,4 @@
-"""The gateway's shared DetokenizeMux call against a fake tokenizer over a real gRPC socket."""
+"""The gateway's end of DetokenizeMux (one shared call) against a fake tokenizer over a real gRPC socket."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest_asyncio
 from aiserve.common.context import REQUEST_ID_KEY, request_id_var
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from aiserve.v1 import tokenizer_pb2, tokenizer_pb2_grpc
-from services.gateway.detok_mux import DetokenizeMux
+from services.gateway.detokenize_mux_client import DetokenizeMuxClient
 from tests.unit.gateway.fakes import fake_backend
 
 TIMEOUT_S = 10.0
@@ -57,10 +57,10 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
 
 
 @pytest_asyncio.fixture
-async def fake() -> AsyncIterator[tuple[DetokenizeMux, Seen]]:
+async def fake() -> AsyncIterator[tuple[DetokenizeMuxClient, Seen]]:
     seen = Seen()
     async with fake_backend(tokenizer_pb2_grpc.add_TokenizerServicer_to_server, FakeTokenizer(seen)) as channel:
-        mux = DetokenizeMux(tokenizer_pb2_grpc.TokenizerStub(channel))
+        mux = DetokenizeMuxClient(tokenizer_pb2_grpc.TokenizerStub(channel))
         try:
             yield mux, seen
         finally:
@@ -68,7 +68,7 @@ async def fake() -> AsyncIterator[tuple[DetokenizeMux, Seen]]:
 
 
 async def test_concurrent_generations_share_messages_and_get_their_own_text(
-        fake: tuple[DetokenizeMux, Seen]) -> None:
+        fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, seen = fake
 
     async def generation(n: int) -> str:
@@ -88,7 +88,7 @@ async def test_concurrent_generations_share_messages_and_get_their_own_text(
     assert len(starts) == 32 and all(item.skip_special_tokens and item.request_id for item in starts)
 
 
-async def test_a_failed_item_fails_only_its_generation(fake: tuple[DetokenizeMux, Seen]) -> None:
+async def test_a_failed_item_fails_only_its_generation(fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, _ = fake
     good, bad = mux.open("a", True), mux.open("b", True)
     results = await asyncio.gather(good.push((1,), TIMEOUT_S), bad.push((999,), TIMEOUT_S), return_exceptions=True)
@@ -98,7 +98,7 @@ async def test_a_failed_item_fails_only_its_generation(fake: tuple[DetokenizeMux
 
 
 async def test_a_broken_call_fails_its_generations_and_the_next_opens_a_new_one(
-        fake: tuple[DetokenizeMux, Seen]) -> None:
+        fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, seen = fake
     waiting, breaking = mux.open("a", True), mux.open("b", True)
     assert await waiting.push((1,), TIMEOUT_S) == "1;"
@@ -112,7 +112,7 @@ async def test_a_broken_call_fails_its_generations_and_the_next_opens_a_new_one(
 
 
 async def test_close_cancels_an_unfinished_stream_and_finish_without_ids_sends_nothing(
-        fake: tuple[DetokenizeMux, Seen]) -> None:
+        fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, seen = fake
     idle = mux.open("idle", True)
     assert await idle.finish(TIMEOUT_S) == ""
@@ -127,14 +127,14 @@ async def test_close_cancels_an_unfinished_stream_and_finish_without_ids_sends_n
                                                                      ([2], True, False)]
 
 
-async def test_no_answer_before_the_deadline_is_deadline_exceeded(fake: tuple[DetokenizeMux, Seen]) -> None:
+async def test_no_answer_before_the_deadline_is_deadline_exceeded(fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, _ = fake
     stream = mux.open("slow", True)
     with pytest.raises(DeadlineExceeded, match="before the deadline"):
         await stream.push((HANG,), 0.2)
 
 
-async def test_the_shared_call_carries_no_request_id(fake: tuple[DetokenizeMux, Seen]) -> None:
+async def test_the_shared_call_carries_no_request_id(fake: tuple[DetokenizeMuxClient, Seen]) -> None:
     mux, seen = fake
     token = request_id_var.set("the-first-request")
     try:

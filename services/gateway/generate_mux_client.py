@@ -1,27 +1,26 @@
-"""The gateway's side of the inference service's GenerateMux: every running generation shares
-one call (decision 34).
+"""The gateway's end of the inference service's GenerateMux: every running generation shares
+one call (docs/decisions.md, decision 34).
 
+The edge: the ``Generations`` of ``services/gateway/interfaces.py`` over the shared call.
 With a Generate call per generation, each engine step of 64 sequences was 64 gRPC messages out
 of the inference process and 64 into the gateway; over the shared call it is usually one each,
-since the inference service sends a step's events together (services/inference/generate_mux.py).
-Each generation reads the same InferenceResponse messages a Generate call would stream and
-gets the same errors; if the call breaks (the inference service restarted), the generations on
-it fail with UNAVAILABLE and the next one opens a new call.
+since the inference service sends a step's events together (the service's end of the call).
+Each generation reads the same events a Generate call would give (``generate_call_client.py``)
+and gets the same errors; if the call breaks (the inference service restarted), the
+generations on it fail with UNAVAILABLE and the next one opens a new call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from typing import Protocol
 
-import grpc
-from grpc import aio
-
-from aiserve.common.errors import ApiError, DeadlineExceeded, Unavailable
+from aiserve.common.errors import ApiError, DeadlineExceeded
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
-from services.gateway.backends import downstream_error
-from services.gateway.shared_call import Reopening, SharedCall, item_error
+from services.gateway.backend_errors import item_error
+from services.gateway.domain import GenerationEvent, GenerationRequest
+from services.gateway.inference_messages import event_from_pb, request_to_pb
+from services.gateway.shared_call import Reopening, SharedCall
 
 _Item = inference_pb2.InferenceResponse | ApiError | RuntimeError
 
@@ -53,29 +52,15 @@ class _Call(SharedCall[inference_pb2.GenerateMuxItem]):
         self.streams.clear()
 
 
-class Generation(Protocol):
-    """One generation as the pipeline reads it, whichever way it travels."""
-
-    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse: ...
-
-    def close(self) -> None: ...
-
-
-class Generations(Protocol):
-    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> Generation: ...
-
-    async def close(self) -> None: ...
-
-
-class GenerateMux:
+class GenerateMuxClient:
     """Starts ``MuxGeneration``s over a shared GenerateMux call."""
 
     def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
         self._calls = Reopening(lambda: _Call(stub))
 
-    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> MuxGeneration:
+    def open(self, request: GenerationRequest, timeout_s: float) -> MuxGeneration:
         """Start ``request`` with ``timeout_s`` to its deadline (it is queued on the call now)."""
-        return MuxGeneration(*self._calls.next(), request, timeout_s)
+        return MuxGeneration(*self._calls.next(), request_to_pb(request), timeout_s)
 
     async def close(self) -> None:
         await self._calls.close()
@@ -95,8 +80,8 @@ class MuxGeneration:
         current.send(inference_pb2.GenerateMuxItem(stream=stream, request=request,
                                                    timeout_ms=max(1, math.ceil(timeout_s * 1000))))
 
-    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse:
-        """The next message. Raises the generation's error (Generate's codes), or
+    async def read(self, timeout_s: float) -> GenerationEvent:
+        """The next event. Raises the generation's error (Generate's codes), or
         DeadlineExceeded when nothing comes within ``timeout_s``."""
         try:
             async with asyncio.timeout(timeout_s):
@@ -108,7 +93,7 @@ class MuxGeneration:
             raise item
         if item.finish_reason:
             self._is_ended = True
-        return item
+        return event_from_pb(item)
 
     def close(self) -> None:
         """Cancel the generation unless it ended (no answer is awaited)."""
@@ -118,37 +103,3 @@ class MuxGeneration:
         current = self._current
         if current.streams.pop(self._stream, None) is not None and current.error is None:
             current.send(inference_pb2.GenerateMuxItem(stream=self._stream, cancel=True))
-
-
-class CallPerGeneration:
-    """One Generate call per generation (``generate_mux = false``): each is its own HTTP/2
-    stream, which an L7 balancer can send to any replica. Opened in the request's context, so
-    the call carries its request id and trace parent."""
-
-    def __init__(self, stub: inference_pb2_grpc.InferenceStub) -> None:
-        self._stub = stub
-
-    def open(self, request: inference_pb2.InferenceRequest, timeout_s: float) -> CallGeneration:
-        return CallGeneration(self._stub.Generate(request, timeout=timeout_s))
-
-    async def close(self) -> None:
-        pass
-
-
-class CallGeneration:
-    """A Generate call read like a ``MuxGeneration`` (gRPC enforces the deadline it was given)."""
-
-    def __init__(self, call: aio.UnaryStreamCall) -> None:
-        self._call = call
-
-    async def read(self, timeout_s: float) -> inference_pb2.InferenceResponse:
-        try:
-            message = await self._call.read()
-        except grpc.RpcError as exc:
-            raise downstream_error("inference", exc) from exc
-        if message is aio.EOF:
-            raise Unavailable("inference unavailable: the generation ended without a finish_reason")
-        return message  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        self._call.cancel()

@@ -1,0 +1,164 @@
+"""The gateway's domain values: what the pipeline takes, hands out, and exchanges with its
+backends. Frozen slotted dataclasses; no grpc, no pb (the adapters at the edge convert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiserve.common.finish import FinishReason
+from services.gateway.validation import Sampling
+
+ChatMessages = tuple[tuple[str, str], ...]
+"""A chat as (role, content) pairs, oldest first."""
+
+
+# --- the public API's side --------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """A validated Generate/Complete request, as the pipeline needs it."""
+
+    request_id: str
+    prompt: str | None
+    messages: ChatMessages | None
+    sampling: Sampling
+    model: str = ""
+    cache_policy: str = "use"  # "use" | "bypass" | "refresh"
+    personalized: bool = False
+    truncate_left: bool = False
+    tenant: str = ""
+    priority: int = 0
+    """Scheduling priority of the tenant's tier; higher is admitted to the batch first."""
+    cache_min_similarity: float | None = None
+    """A stricter similarity threshold for a cache hit by meaning (None = the cache's default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """Text that became available, and the ids behind it."""
+
+    text_delta: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class UsageRecord:
+    """What one generation used and cost (times in ms from the gateway receiving it)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cache_hit: bool
+    queue_ms: int
+    ttft_ms: int
+    total_ms: int
+    model: str
+    cost_micros: int
+    cache_similarity: float = 0.0
+    compute_ms: int = 0
+    kv_peak_bytes: int = 0
+    cache_entry_id: str = ""
+    """On a cache hit: the entry that answered (feedback on the answer is reported to it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Final:
+    """The end of a generation: why it ended and what it used."""
+
+    finish_reason: FinishReason
+    usage: UsageRecord
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCountRequest:
+    """A validated CountTokens request: exactly one of ``prompt`` and ``messages``."""
+
+    prompt: str | None
+    messages: ChatMessages | None
+    model: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """Tokens of a rendered input, and the context they must fit in."""
+
+    token_count: int
+    context_length: int
+    model: str
+
+
+# --- the backends' side -----------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class RouteInfo:
+    """What a checked route serves."""
+
+    model: str
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A prompt as the model sees it: the text (chat template applied) and its token ids."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """What the inference service is asked to generate."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: Sampling
+    priority: int
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationEvent:
+    """One message of a running generation: its new ids and the running counters."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    """Set on the last event only."""
+    queue_ms: int = 0
+    compute_ms: int = 0
+    kv_peak_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheScope:
+    """Everything a cached answer depends on besides the prompt; answers never cross scopes."""
+
+    model: str
+    tenant: str
+    params: str
+    """Canonical text of the decoding parameters."""
+    context: str
+    """sha256 of the conversation before the last user message; "" for a raw prompt."""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheKey:
+    """Where a request's answer is looked up and stored."""
+
+    scope: CacheScope
+    prompt: str
+    """The rendered prompt: the exact tier's key."""
+    query: str
+    """What the semantic tier compares (the last user message); "" = exact tier only."""
+
+
+@dataclass(frozen=True, slots=True)
+class CachedAnswer:
+    """A cache hit: the answer as it was streamed, and which entry gave it."""
+
+    deltas: tuple[Chunk, ...]
+    completion_tokens: int
+    finish_reason: FinishReason
+    similarity: float
+    """Of the two queries, 0..1; 1.0 for an exact hit."""
+    entry_id: str

@@ -1,0 +1,144 @@
+"""What the pipeline needs of its backends, as small interfaces over domain values.
+
+The gRPC implementations are adapters at the edge (``backends.py`` builds them); tests give the
+pipeline in-process fakes. Nothing here knows grpc or pb.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from aiserve.common.finish import FinishReason
+from services.gateway.domain import (
+    CachedAnswer,
+    CacheKey,
+    Chunk,
+    GenerationEvent,
+    GenerationRequest,
+    RenderedPrompt,
+    RouteInfo,
+)
+
+
+class Router(Protocol):
+    """The checked route to a model: a tokenizer and an inference service that agree."""
+
+    async def route(self, model: str) -> RouteInfo:
+        """The route for ``model`` ("" = the default); NOT_FOUND / FAILED_PRECONDITION /
+        UNAVAILABLE when it cannot be served."""
+        ...
+
+    def forget_route(self) -> None:
+        """Check the pairing again on the next request (a backend failed or restarted)."""
+        ...
+
+
+class PromptTokenizer(Protocol):
+    """Turns a request's input into the model's token ids."""
+
+    async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
+        """A chat rendered with the model's template and the generation prompt."""
+        ...
+
+    async def tokenize(self, text: str) -> tuple[int, ...]:
+        """A raw prompt's ids (with the model's special tokens)."""
+        ...
+
+    async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
+                           model: str) -> int:
+        """Tokens of a prompt or a chat, exactly as a generation would render it."""
+        ...
+
+
+class Generation(Protocol):
+    """One running generation, read event by event until one carries a finish reason."""
+
+    async def read(self, timeout_s: float) -> GenerationEvent:
+        """The next event; raises the generation's error, or DEADLINE_EXCEEDED when nothing
+        comes within ``timeout_s``."""
+        ...
+
+    def close(self) -> None:
+        """Always called: cancels the generation unless it ended."""
+        ...
+
+
+class Generations(Protocol):
+    """Starts generations on the inference service."""
+
+    def open(self, request: GenerationRequest, timeout_s: float) -> Generation:
+        """Start ``request``; ``timeout_s`` is what is left of the client's deadline."""
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class DetokenizerStream(Protocol):
+    """One generation's incremental detokenization."""
+
+    async def push(self, token_ids: tuple[int, ...], timeout_s: float) -> str:
+        """The text ``token_ids`` complete (maybe "")."""
+        ...
+
+    async def finish(self, timeout_s: float) -> str:
+        """The text still held back, once at the end."""
+        ...
+
+    def close(self) -> None:
+        """Always called: forgets the stream unless it finished."""
+        ...
+
+
+class Detokenizer(Protocol):
+    """Opens a detokenizer stream per generation."""
+
+    def open(self, request_id: str, skip_special_tokens: bool) -> DetokenizerStream:
+        ...
+
+    async def close(self) -> None:
+        ...
+
+
+class AnswerStore(Protocol):
+    """A generation streamed into the cache as it is produced."""
+
+    def add(self, chunk: Chunk) -> None:
+        """One delta, exactly as the client received it (never waits on the cache)."""
+        ...
+
+    async def commit(self, finish_reason: FinishReason) -> str:
+        """Keep the answer; returns its entry id ("" when the cache refused or failed)."""
+        ...
+
+    def abort(self) -> None:
+        """Drop the answer (a no-op after ``commit``)."""
+        ...
+
+
+class AnswerCache(Protocol):
+    """The semantic cache. An optimisation: its failures are misses and dropped stores."""
+
+    async def lookup(self, key: CacheKey, min_similarity: float | None) -> CachedAnswer | None:
+        """The cached answer, or None (a miss, or the cache failed)."""
+        ...
+
+    def open_store(self, key: CacheKey, timeout_s: float) -> AnswerStore:
+        ...
+
+    async def report_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
+        """How an answer the cache served was rated (best effort)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class PipelineBackends:
+    """Everything the pipeline calls; ``cache`` None = caching is off."""
+
+    router: Router
+    tokenizer: PromptTokenizer
+    generations: Generations
+    detokenizer: Detokenizer
+    cache: AnswerCache | None
