@@ -96,23 +96,51 @@ class GatewayConfig(ServiceConfig):
     """Longest feedback comment."""
 
     def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range (each group checks its own)."""
         super().validate()
+        self._validate_addresses()
+        self._validate_request_limits()
+        self._validate_prices()
+        self._validate_tiers()
+        self._validate_feedback()
+
+    def _validate_addresses(self) -> None:
+        for name in ("tokenizer_address", "inference_address"):
+            require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")
+        require(self.cache_address == "" or ":" in self.cache_address,
+                f"cache_address: must be host:port or empty (no cache), got {self.cache_address!r}")
+        require(is_model_ref(self.default_model),
+                f"default_model: must be 'name@version', got {self.default_model!r}")
+        require(self.fingerprint_ttl_s >= 0, f"fingerprint_ttl_s: must be >= 0, got {self.fingerprint_ttl_s}")
+        require(0 < self.downstream_timeout_s <= 86_400,
+                f"downstream_timeout_s: must be in (0, 86400], got {self.downstream_timeout_s}")
+
+    def _validate_request_limits(self) -> None:
+        require(1 <= self.max_new_tokens_limit <= 1 << 20,
+                f"max_new_tokens_limit: must be 1..1048576, got {self.max_new_tokens_limit}")
         require(1 <= self.default_max_new_tokens <= self.max_new_tokens_limit,
                 f"default_max_new_tokens: must be 1..max_new_tokens_limit "
                 f"({self.max_new_tokens_limit}), got {self.default_max_new_tokens}")
-        require(1 <= self.max_new_tokens_limit <= 1 << 20,
-                f"max_new_tokens_limit: must be 1..1048576, got {self.max_new_tokens_limit}")
-        require(0 <= self.cache_max_temperature <= 2,
-                f"cache_max_temperature: must be 0..2, got {self.cache_max_temperature}")
-        require(self.prompt_price_micros_per_token >= 0 and self.completion_price_micros_per_token >= 0
-                and self.compute_price_micros_per_second >= 0,
-                "prompt_price_micros_per_token, completion_price_micros_per_token, "
-                "compute_price_micros_per_second: must be >= 0")
         require(1 <= self.max_prompt_tokens <= 1 << 24,
                 f"max_prompt_tokens: must be 1..16777216, got {self.max_prompt_tokens}")
+        for name in ("max_prompt_chars", "max_chat_messages", "max_stop_chars"):
+            require(getattr(self, name) >= 1, f"{name}: must be >= 1, got {getattr(self, name)}")
+        require(self.max_stop_strings >= 0, f"max_stop_strings: must be >= 0, got {self.max_stop_strings}")
+        require(0 <= self.cache_max_temperature <= 2,
+                f"cache_max_temperature: must be 0..2, got {self.cache_max_temperature}")
+
+    def _validate_prices(self) -> None:
+        parse_prices(self.prices)  # raises ConfigError naming the bad entry
+        for name in ("prompt_price_micros_per_token", "completion_price_micros_per_token",
+                     "compute_price_micros_per_second"):
+            require(getattr(self, name) >= 0, f"{name}: must be >= 0, got {getattr(self, name)}")
         require(0 <= self.max_compute_ms_per_token <= 60_000,
                 f"max_compute_ms_per_token: must be 0..60000, got {self.max_compute_ms_per_token}")
+
+    def _validate_tiers(self) -> None:
         for tier in ("free", "paid"):
+            priority = getattr(self, f"{tier}_priority")
+            require(-(1 << 31) <= priority < 1 << 31, f"{tier}_priority: must be a 32-bit integer, got {priority}")
             for limit in ("requests_per_minute", "tokens_per_minute"):
                 value = getattr(self, f"{tier}_{limit}")
                 require(1 <= value <= 1 << 40, f"{tier}_{limit}: must be 1..{1 << 40}, got {value}")
@@ -120,18 +148,13 @@ class GatewayConfig(ServiceConfig):
             require(budget >= 0, f"{tier}_budget_micros: must be >= 0 (0 = none), got {budget}")
         require(self.budget_period in {"day", "month"},
                 f"budget_period: must be day or month, got {self.budget_period!r}")
+
+    def _validate_feedback(self) -> None:
         require(0 < self.repeat_window_s <= 86_400,
                 f"repeat_window_s: must be in (0, 86400], got {self.repeat_window_s}")
         require(0 < self.repeat_similarity <= 1, f"repeat_similarity: must be in (0, 1], got {self.repeat_similarity}")
         require(0 <= self.max_feedback_comment_chars <= 100_000,
                 f"max_feedback_comment_chars: must be 0..100000, got {self.max_feedback_comment_chars}")
-        parse_prices(self.prices)  # raises ConfigError naming the bad entry
-        for name in ("tokenizer_address", "inference_address"):
-            require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")
-        require(self.cache_address == "" or ":" in self.cache_address,
-                f"cache_address: must be host:port or empty (no cache), got {self.cache_address!r}")
-        require(is_model_ref(self.default_model),
-                f"default_model: must be 'name@version', got {self.default_model!r}")
 
     def price_table(self) -> PriceTable:
         """The prices of `prices`, with the default prices for models missing from it."""
