@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unauthenticated, Unavailable
+from aiserve.common.finish import FinishReason
 from services.gateway.accounting import Accounting
 from services.gateway.config import GatewayConfig
-from services.gateway.ledger import Ledger, UsageRow
 from services.gateway.domain import Final, GatewayRequest, UsageRecord
+from services.gateway.ledger import Ledger, UsageRow
 from services.gateway.tenants import KeyStore, Tenant
 from services.gateway.validation import SamplingInput, resolve_sampling
 
@@ -51,7 +52,7 @@ async def test_a_finished_request_is_committed_with_its_usage_and_settles(accoun
         assert acc.limits._budgets["acme"].reserved_micros == acc.prices.max_cost(MODEL, 5, 8)
         cost = acc.prices.cost(MODEL, 5, 3, 40)
         usage = UsageRecord(5, 3, False, 1, 2, 3, MODEL, cost, compute_ms=40, kv_peak_bytes=4096)
-        await account.finish(Final("stop", usage))
+        await account.finish(Final(FinishReason.STOP, usage))
         assert [r.request_id for r in rows(acc)] == ["r1"]  # committed before finish returns
     [row] = rows(acc)
     assert (row.tenant, row.status, row.cost_micros, row.compute_ms, row.kv_peak_bytes, row.traceparent) == (

@@ -82,7 +82,10 @@ def test_tokens_per_minute_are_reserved_then_settled() -> None:
     third = limits.reserve(ACME, plan(tpm=100), tokens=40, cost_micros=0)
     with pytest.raises(ResourceExhausted):
         limits.reserve(ACME, plan(tpm=100), tokens=1, cost_micros=0)
-    assert second and third
+    # the two live reservations hold the whole minute: 40 + 40 of 100, with 20 used by the first
+    assert first.is_settled and (second.tokens, third.tokens) == (40, 40)
+    assert not second.is_settled and not third.is_settled
+    assert limits._tokens["acme"].level == pytest.approx(0.0)
 
 
 def test_a_request_larger_than_the_whole_limit_gets_no_retry_hint() -> None:
@@ -103,10 +106,12 @@ def test_budget_admits_exactly_up_to_the_limit_counting_in_flight_reservations()
     # The rest of January: 2025-01-15T12:00Z -> 2025-02-01T00:00Z.
     assert info.value.retry_after_ms == (16 * 86_400 + 12 * 3600) * 1000
     limits.settle(a, tokens=1, cost_micros=100)  # cost less than reserved: 200 come back
-    limits.reserve(ACME, plan(budget=1000), tokens=1, cost_micros=200)
+    c = limits.reserve(ACME, plan(budget=1000), tokens=1, cost_micros=200)
     with pytest.raises(ResourceExhausted):
         limits.reserve(ACME, plan(budget=1000), tokens=1, cost_micros=1)
-    assert b
+    budget = limits._budgets["acme"]
+    # spent 400 + 100 (a, settled); b and c still in flight: exactly the budget of 1000
+    assert (budget.spent_micros, budget.reserved_micros) == (500, b.cost_micros + c.cost_micros) == (500, 500)
 
 
 def test_a_refused_reservation_sets_nothing_aside() -> None:
@@ -133,7 +138,8 @@ def test_budget_period_rolls_over_and_rereads_the_ledger() -> None:
     with pytest.raises(ResourceExhausted):
         limits.reserve(ACME, plan(budget=20), tokens=1, cost_micros=1)
     assert len(reads) == 2 and reads[1] - reads[0] == 86_400_000
-    assert r
+    # the new day keeps counting yesterday's reservation still in flight, plus r's
+    assert r.cost_micros == 10 and limits._budgets["acme"].reserved_micros == 20
 
 
 @pytest.mark.parametrize(("period", "key", "days"), [("day", "2025-01-15", 1), ("month", "2025-01", 31)])
