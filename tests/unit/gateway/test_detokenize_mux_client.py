@@ -102,10 +102,15 @@ async def test_a_broken_call_fails_its_generations_and_the_next_opens_a_new_one(
     mux, seen = fake
     waiting, breaking = mux.open("a", True), mux.open("b", True)
     assert await waiting.push((1,), TIMEOUT_S) == "1;"
-    with pytest.raises(Unavailable, match="tokenizer unavailable: the detokenizer call failed with INTERNAL: boom"):
-        await breaking.push((BREAK,), TIMEOUT_S)
+    # both items go out in one message, so both generations are waiting when the call breaks
+    errors = await asyncio.gather(waiting.push((2,), TIMEOUT_S), breaking.push((BREAK,), TIMEOUT_S),
+                                  return_exceptions=True)
+    for error in errors:
+        assert isinstance(error, Unavailable)
+        assert error.message == "tokenizer unavailable: the detokenizer call failed with INTERNAL: boom"
+    assert errors[0] is not errors[1]  # one exception per generation: tracebacks are not shared
     with pytest.raises(Unavailable):  # its state died with the call
-        await waiting.push((2,), TIMEOUT_S)
+        await waiting.push((3,), TIMEOUT_S)
     fresh = mux.open("c", True)
     assert await fresh.push((3,), TIMEOUT_S) == "3;"
     assert seen.calls == 2

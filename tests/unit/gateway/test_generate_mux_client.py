@@ -128,9 +128,13 @@ async def test_a_broken_call_fails_its_generations_and_the_next_opens_a_new_one(
     mux, seen = fake
     waiting = mux.open(request(HANG), TIMEOUT_S)  # never answered
     breaking = mux.open(request(BREAK), TIMEOUT_S)
+    errors = []
     for generation in (breaking, waiting):  # the waiting one's state died with the call
-        with pytest.raises(Unavailable, match="inference unavailable: the generation call failed with INTERNAL: boom"):
+        with pytest.raises(Unavailable, match="inference unavailable: the generation call failed with INTERNAL: boom") \
+                as info:
             await generation.read(TIMEOUT_S)
+        errors.append(info.value)
+    assert errors[0] is not errors[1]  # one exception per generation: tracebacks are not shared
     assert [e.token_ids for e in await read_all(mux.open(request([1], 1), TIMEOUT_S))] == [(100,)]
     assert seen.calls == 2
 
