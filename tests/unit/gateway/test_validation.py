@@ -2,7 +2,13 @@ import pytest
 
 from aiserve.common.errors import InvalidArgument
 from services.gateway.config import GatewayConfig
-from services.gateway.validation import SamplingInput, resolve_sampling, validate_input
+from services.gateway.validation import (
+    SamplingInput,
+    checked_min_similarity,
+    resolve_sampling,
+    usage_period,
+    validate_input,
+)
 
 CONFIG = GatewayConfig(default_max_new_tokens=64, max_new_tokens_limit=512, max_stop_strings=2, max_stop_chars=8)
 
@@ -13,7 +19,7 @@ def test_defaults_are_greedy() -> None:
     assert s.is_deterministic
 
 
-def test_presets_follow_the_source_and_explicit_fields_override() -> None:
+def test_presets_set_factual_and_creative_decoding_and_explicit_fields_override() -> None:
     factual = resolve_sampling(SamplingInput(preset="factual"), CONFIG)
     assert 0.1 <= factual.temperature <= 0.3 and factual.top_p == pytest.approx(0.9)
     creative = resolve_sampling(SamplingInput(preset="creative"), CONFIG)
@@ -89,3 +95,21 @@ def test_fit_prompt_refuses_or_truncates_at_the_context_and_max_prompt_tokens() 
     with pytest.raises(InvalidArgument) as info:
         fit_prompt(ids, 16, 16, "m@1", 100, True)
     assert info.value.message.startswith("sampling.max_new_tokens")
+
+
+def test_cache_min_similarity_is_unset_or_in_zero_to_one() -> None:
+    assert checked_min_similarity(None) is None and checked_min_similarity(0.0) == 0.0
+    for bad in (-0.1, 1.01, float("nan")):
+        with pytest.raises(InvalidArgument, match="cache_min_similarity: must be in"):
+            checked_min_similarity(bad)
+
+
+def test_usage_period_reads_rfc3339_with_an_offset() -> None:
+    assert usage_period("", "") == (None, None)
+    assert usage_period("2025-01-15T12:00:00Z", "2025-01-15T13:00:00+01:00") == (1736942400000, 1736942400000)
+    with pytest.raises(InvalidArgument, match="since: must be an RFC 3339 time with an offset"):
+        usage_period("2025-01-15T12:00:00", "")  # no offset: ambiguous
+    with pytest.raises(InvalidArgument, match="until: must be an RFC 3339"):
+        usage_period("", "yesterday")
+    with pytest.raises(InvalidArgument, match="until: must not be before since"):
+        usage_period("2025-01-16T00:00:00Z", "2025-01-15T00:00:00Z")
