@@ -3,180 +3,26 @@ generation, stop strings, truncation, admission, failures, and what reaches the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import pytest
 
 from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unavailable
 from aiserve.common.finish import FinishReason
-from services.gateway.config import GatewayConfig
 from services.gateway.domain import (
     CachedAnswer,
-    CacheKey,
     Chunk,
     Final,
     GatewayRequest,
     GenerationEvent,
-    GenerationRequest,
-    RenderedPrompt,
-    RouteInfo,
     TokenCountRequest,
 )
-from services.gateway.interfaces import PipelineBackends
 from services.gateway.pipeline import Pipeline
 from services.gateway.validation import SamplingInput, resolve_sampling
+from tests.unit.gateway.pipeline_fakes import CONFIG, MODEL, FakeRouter, Fakes
 
-MODEL = "m@1"
-CONFIG = GatewayConfig(default_model=MODEL, prices=(f"{MODEL}=10/20/1000",), max_prompt_tokens=100)
 TIMEOUT_S = 30.0
-
-
-# --- fakes of the interfaces ------------------------------------------------------------------
-
-@dataclass
-class FakeRouter:
-    context_length: int = 64
-    forgotten: int = 0
-
-    async def route(self, model: str) -> RouteInfo:
-        return RouteInfo(model or MODEL, self.context_length, (0,))
-
-    def forget_route(self) -> None:
-        self.forgotten += 1
-
-
-class FakeTokenizer:
-    """One token per word (id = the word's length); a chat renders as "role: content" lines."""
-
-    async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
-        text = "".join(f"{role}: {content}\n" for role, content in messages)
-        return RenderedPrompt(text, tuple(len(w) for w in text.split()))
-
-    async def tokenize(self, text: str) -> tuple[int, ...]:
-        return tuple(len(w) for w in text.split())
-
-    async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
-                           model: str) -> int:
-        return len((prompt or "").split()) + 1000 * (model == MODEL)
-
-
-class FakeGeneration:
-    """Reads its script; an exception in it is raised in its turn."""
-
-    def __init__(self, script: list[GenerationEvent | Exception]) -> None:
-        self.script = list(script)
-        self.is_ended = self.is_closed = False
-
-    async def read(self, timeout_s: float) -> GenerationEvent:
-        item = self.script.pop(0)
-        self.is_ended = isinstance(item, Exception) or item.finish_reason is not None
-        if isinstance(item, Exception):
-            raise item
-        return item
-
-    def close(self) -> None:
-        self.is_closed = True
-
-    @property
-    def is_cancelled(self) -> bool:
-        return self.is_closed and not self.is_ended
-
-
-@dataclass
-class FakeGenerations:
-    script: list[GenerationEvent | Exception] = field(default_factory=list)
-    opened: list[tuple[GenerationRequest, float, FakeGeneration]] = field(default_factory=list)
-
-    def open(self, request: GenerationRequest, timeout_s: float) -> FakeGeneration:
-        generation = FakeGeneration(self.script)
-        self.opened.append((request, timeout_s, generation))
-        return generation
-
-    async def close(self) -> None:
-        pass
-
-
-@dataclass
-class FakeDetokenizerStream:
-    texts: dict[int, str]
-    held: str
-    is_closed: bool = False
-
-    async def push(self, token_ids: tuple[int, ...], timeout_s: float) -> str:
-        return "".join(self.texts.get(t, f"w{t} ") for t in token_ids)
-
-    async def finish(self, timeout_s: float) -> str:
-        return self.held
-
-    def close(self) -> None:
-        self.is_closed = True
-
-
-@dataclass
-class FakeDetokenizer:
-    texts: dict[int, str] = field(default_factory=dict)
-    held: str = ""
-    streams: list[FakeDetokenizerStream] = field(default_factory=list)
-
-    def open(self, request_id: str, skip_special_tokens: bool) -> FakeDetokenizerStream:
-        stream = FakeDetokenizerStream(self.texts, self.held)
-        self.streams.append(stream)
-        return stream
-
-    async def close(self) -> None:
-        pass
-
-
-@dataclass
-class FakeStore:
-    key: CacheKey
-    added: list[Chunk] = field(default_factory=list)
-    committed: FinishReason | None = None
-    is_aborted: bool = False
-
-    def add(self, chunk: Chunk) -> None:
-        self.added.append(chunk)
-
-    async def commit(self, finish_reason: FinishReason) -> str:
-        self.committed = finish_reason
-        return "entry-1"
-
-    def abort(self) -> None:
-        if self.committed is None:
-            self.is_aborted = True
-
-
-@dataclass
-class FakeCache:
-    answer: CachedAnswer | None = None
-    lookups: list[tuple[CacheKey, float | None]] = field(default_factory=list)
-    stores: list[FakeStore] = field(default_factory=list)
-    feedback: list[tuple[str, bool, float]] = field(default_factory=list)
-
-    async def lookup(self, key: CacheKey, min_similarity: float | None) -> CachedAnswer | None:
-        self.lookups.append((key, min_similarity))
-        return self.answer
-
-    def open_store(self, key: CacheKey, timeout_s: float) -> FakeStore:
-        self.stores.append(FakeStore(key))
-        return self.stores[-1]
-
-    async def report_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
-        self.feedback.append((entry_id, is_negative, similarity))
-
-
-@dataclass
-class Fakes:
-    router: FakeRouter = field(default_factory=FakeRouter)
-    generations: FakeGenerations = field(default_factory=FakeGenerations)
-    detokenizer: FakeDetokenizer = field(default_factory=FakeDetokenizer)
-    cache: FakeCache = field(default_factory=FakeCache)
-
-    def pipeline(self, config: GatewayConfig = CONFIG) -> Pipeline:
-        backends = PipelineBackends(self.router, FakeTokenizer(), self.generations, self.detokenizer, self.cache)
-        return Pipeline(config, backends, config.price_table())
 
 
 def event(*ids: int, finish: FinishReason | None = None, **counters: int) -> GenerationEvent:
