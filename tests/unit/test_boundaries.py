@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 120.0
 EDGES = ("grpc", "torch")
 PB = ("aiserve.v1",)
+GATEWAY_CORE = tuple(f"services.gateway.{name}" for name in (
+    "accounting", "cache_keys", "config", "domain", "feedback", "interfaces", "ledger", "limits", "metrics",
+    "pipeline", "pricing", "stops", "tenants", "validation"))
+"""The gateway's modules without grpc or pb (docs/gateway.md, "Core and edge")."""
 
 _PROBE = """
 import importlib, json, sys
@@ -44,7 +48,8 @@ def offenders(loaded: set[str], forbidden: tuple[str, ...]) -> list[str]:
     (("services.inference.scheduler",), EDGES + PB),
     (("services.cache.semantic", "services.cache.guard"), EDGES),
     (("services.gateway.pipeline",), EDGES + PB),
-], ids=["inference-scheduler", "cache-matching", "gateway-pipeline"])
+    (GATEWAY_CORE, EDGES + PB),
+], ids=["inference-scheduler", "cache-matching", "gateway-pipeline", "gateway-core"])
 def test_core_modules_import_no_edge(modules: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
     loaded = loaded_by(modules)
     assert set(modules) <= loaded  # the probe did import them
