@@ -88,7 +88,7 @@ class RouteChecker:
                 f"inference serves {inf.model} (tokenizer sha256 {inf.tokenizer_sha256[:12]}); "
                 "refusing to pair them"
             )
-        return RouteInfo(model=inf.model, context_length=inf.context_length, eos_token_ids=tuple(inf.eos_token_ids))
+        return RouteInfo(model=inf.model, context_length=inf.context_length)
 
 
 class Backends:

@@ -94,8 +94,8 @@ class RouteInfo:
     """What a checked route serves."""
 
     model: str
+    """name@version, as both backends serve it."""
     context_length: int
-    eos_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)

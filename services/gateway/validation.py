@@ -41,10 +41,6 @@ class Sampling:
     stop: tuple[str, ...]
     seed: int | None
 
-    @property
-    def is_deterministic(self) -> bool:
-        return self.temperature == 0.0 or self.seed is not None
-
     def cache_key(self) -> str:
         """Canonical text of everything here that changes the answer (the cache scope)."""
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))

@@ -30,7 +30,7 @@ class FakeRouter:
     forgotten: int = 0
 
     async def route(self, model: str) -> RouteInfo:
-        return RouteInfo(model or MODEL, self.context_length, (0,))
+        return RouteInfo(model or MODEL, self.context_length)
 
     def forget_route(self) -> None:
         self.forgotten += 1
