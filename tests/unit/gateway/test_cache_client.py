@@ -80,6 +80,7 @@ async def cache() -> AsyncIterator[tuple[CacheClient, Seen]]:
 async def test_a_hit_is_the_answer_as_it_was_streamed(cache: tuple[CacheClient, Seen]) -> None:
     client, seen = cache
     hit = await asyncio.wait_for(client.lookup(KEY, 0.95), TIMEOUT_S)
+    assert hit is not None
     assert hit == CachedAnswer((Chunk("Par", (1,)), Chunk("is.", (2,))), 2, FinishReason.STOP, hit.similarity, "e-1")
     assert abs(hit.similarity - 0.9) < 1e-6  # a float32 on the wire
     flat = await asyncio.wait_for(client.lookup(CacheKey(KEY.scope, "FLAT", ""), None), TIMEOUT_S)

@@ -62,7 +62,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
                     last = i == n - 1
                     reply.events.add(stream=item.stream, response=inference_pb2.InferenceResponse(
                         request_id=item.request.request_id, token_ids=[100 * prompt[-1] + i], completion_tokens=i + 1,
-                        finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0,
+                        finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED,
                         queue_ms=7 if last else 0, compute_ms=40 if last else 0, kv_peak_bytes=4096 if last else 0))
             yield reply
 

@@ -170,7 +170,7 @@ async def test_cache_policies(changes: dict[str, object], looked_up: bool, store
     fakes = Fakes()
     fakes.cache.answer = CachedAnswer((Chunk("old", (9,)),), 1, FinishReason.STOP, 1.0, "e-1")
     fakes.generations.script = list(THREE_TOKENS)
-    _, final = await run(fakes.pipeline(), request(**changes))
+    _, final = await run(fakes.pipeline(), request(**changes))  # type: ignore[arg-type]
     assert not final.usage.cache_hit
     assert (bool(fakes.cache.lookups), bool(fakes.cache.stores)) == (looked_up, stored)
 

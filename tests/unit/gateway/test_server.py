@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def tell_submitted(gateway: Gateway) -> None:
     """Put the request id of every row the gateway's ledger queues on ``gateway.submitted``."""
     submit = gateway.ledger.submit
 
-    def submit_and_tell(row: UsageRow) -> object:
+    def submit_and_tell(row: UsageRow) -> Future[None]:
         done = submit(row)
         gateway.submitted.put_nowait(row.request_id)
         return done
