@@ -20,7 +20,7 @@ import torch
 
 from services.inference.engine_config import KVCacheConfig
 from services.inference.prefix_index import BlockCopy
-from services.inference.scheduler import SlotMove
+from services.inference.slot_table import SlotMove
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,8 @@ import torch
 from services.inference.kv_cache import KVCache
 from services.inference.llama import ForwardBatch, LlamaConfig, LlamaModel, PrefillSpan
 from services.inference.sampler import SamplingParams, sample
-from services.inference.scheduler import SchedulerOutput, Seq
+from services.inference.scheduler_output import SchedulerOutput
+from services.inference.sequence import Seq
 from services.inference.speculative import accept
 
 
