@@ -19,8 +19,9 @@ from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.model_facts import read_model_facts
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.batch_engine import BatchEngine, EngineStats
+from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
+from services.inference.engine_stats import EngineStats
 from services.inference.generate_mux import MuxCall
 from services.inference.llama import LlamaModel
 from services.inference.messages import from_pb, to_pb
@@ -191,6 +192,7 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
                     max_seq_len=engine.scheduler.slot_len)
     log.info("model_loaded", model=str(model.ref), device=model.device, dtype=model.dtype,
              matmul_dtype=str(engine.model.matmul_dtype).removeprefix("torch."),
+             packed_weights=engine.model.packed_weights,
              max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,
              kv_cache_bytes=engine.cache.total_bytes)
     return handle
