@@ -22,7 +22,7 @@ from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.engine_stats import EngineStats
-from services.inference.generate_mux import MuxCall
+from services.inference.generate_mux_server import MuxCall
 from services.inference.llama import LlamaModel
 from services.inference.messages import from_pb, to_pb
 from services.inference.model import TORCH_DTYPES, ModelInfo
@@ -119,7 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.GenerateMuxRequest], context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateMuxResponse]:
         """Generate for many generations over one call; each step's events in one message
-        (generate_mux.py)."""
+        (generate_mux_server.py)."""
         mux = MuxCall(self.engine, str(self.model.ref), self.metrics)
         if self._is_stopping:
             mux.stop()
