@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 
 import torch
 from grpc import aio
@@ -16,16 +15,15 @@ from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
-from aiserve.model_facts import read_model_facts
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
+from services.inference.engine_build import build_engine
 from services.inference.engine_stats import EngineStats
 from services.inference.generate_mux_server import MuxCall
-from services.inference.llama import LlamaModel
 from services.inference.messages import from_pb, to_pb
-from services.inference.model import TORCH_DTYPES, ModelInfo
+from services.inference.model import ModelInfo
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import in_fresh_thread
 
@@ -154,14 +152,6 @@ async def warm_up(engine: BatchEngine) -> None:
                               ignore_eos=True)
     async for _ in engine.generate(request):
         pass
-
-
-def build_engine(config: InferenceConfig, folder: Path) -> BatchEngine:
-    """Load the (verified) model folder and build the engine the settings describe."""
-    dtype = TORCH_DTYPES[config.dtype]
-    matmul = None if config.matmul_dtype == "auto" else TORCH_DTYPES[config.matmul_dtype]
-    model = LlamaModel.load(folder, config.device, dtype, matmul)
-    return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)
 
 
 async def create_server(config: InferenceConfig) -> ServiceHandle:
