@@ -43,6 +43,7 @@ class LlamaConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LlamaConfig:
+        """The facts of a parsed config.json; ValueError for a model type we do not run."""
         model_type = data.get("model_type", "llama")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type: {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")

@@ -48,6 +48,7 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """One snapshot of the engine as metric families (called by the registry at scrape time)."""
         s = self.engine.stats()
         rss = rss_bytes()
         p = "aiserve_inference_"
@@ -71,6 +72,7 @@ class EngineCollector(Collector):
 
 
 def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
+    """domain -> pb for the Stats RPC (``rss``: this process's resident bytes)."""
     return inference_pb2.InferenceStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
         kv_used_bytes=s.kv_used_bytes, kv_free_bytes=s.kv_free_bytes,
