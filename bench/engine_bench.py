@@ -34,6 +34,7 @@ import torch
 from grpc import aio
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from aiserve.common.config import config_with
 from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
 from aiserve.model_facts import read_model_facts
@@ -42,8 +43,8 @@ from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from bench.cache_bench import machine, percentiles
 from services.inference.batch_engine import BatchEngine
-from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
-from services.inference.llama import LlamaModel
+from services.inference.config import InferenceConfig
+from services.inference.engine_build import build_engine
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import run_in_fresh_thread
 
@@ -225,12 +226,25 @@ class Served:
 
 # --- the batch-size sweep ----------------------------------------------------------------------
 
-async def sweep_one(model: LlamaModel, eos: frozenset[int], size: int, prompt_ids: Sequence[list[int]],
-                    new_tokens: int) -> dict[str, Any]:
-    config = SchedulerConfig(max_num_seqs=size, max_num_batched_tokens=max(512, size), max_queue=4096)
-    kv = KVCacheConfig(kv_cache_bytes=size * 256 * 23040 + (64 << 20), max_seq_len=256, prefix_cache_fraction=0.0)
-    engine_config = EngineConfig(scheduler=config, kv_cache=kv)
-    engine = run_in_fresh_thread(lambda: BatchEngine(model, eos, engine_config))  # the cache is zero-filled there
+def sweep_settings(size: int) -> dict[str, Any]:
+    """The inference settings of the sweep's engine at ``max_num_seqs = size``, by their flat
+    names (``AISERVE_INFERENCE_<NAME>``): a KV budget of ``size`` slots of 256 tokens of the
+    default model (23,040 bytes per bf16 token) plus 64 MiB, no prefix store, a queue that
+    takes every request at once, and the service's defaults for everything else."""
+    return {"dtype": "bfloat16", "max_num_seqs": size, "max_num_batched_tokens": max(512, size),
+            "max_queue": 4096, "kv_cache_bytes": size * 256 * 23040 + (64 << 20), "max_seq_len": 256,
+            "prefix_cache_fraction": 0.0}
+
+
+def sweep_engine(folder: Path, size: int) -> BatchEngine:
+    """The sweep's engine at ``size``, built from its settings by the function the service uses,
+    on a thread that exits (the model is loaded and the cache zero-filled there, as in the service)."""
+    config = config_with(InferenceConfig, **sweep_settings(size))
+    return run_in_fresh_thread(lambda: build_engine(config, folder))
+
+
+async def sweep_one(folder: Path, size: int, prompt_ids: Sequence[list[int]], new_tokens: int) -> dict[str, Any]:
+    engine = sweep_engine(folder, size)
     engine.start()
     n = max(8, 2 * size) if size <= 64 else size
     try:
@@ -342,10 +356,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     for i in range(args.mixed)), key=lambda a: a.at_s)
 
     print("sweep ...", flush=True)
-    model = run_in_fresh_thread(lambda: LlamaModel.load(folder, "cpu", torch.bfloat16))
-    points = [await sweep_one(model, eos, size, ids, args.sweep_tokens) for size in args.sweep]
+    points = [await sweep_one(folder, size, ids, args.sweep_tokens) for size in args.sweep]
     report["d_sweep"] = {"new_tokens": args.sweep_tokens, "ignore_eos": True, "points": points, "knee": knee(points)}
-    del model
 
     print("served and HF ...", flush=True)
     with tempfile.TemporaryDirectory() as home:

@@ -1,4 +1,5 @@
-"""The continuous-batching engine: ``engine.Engine``'s public face over scheduler + runner.
+"""The continuous-batching engine: many generations at once on one model, over the scheduler
+(``scheduler.py``: what runs each step) and the runner (``runner.py``: the step on the device).
 
 Asyncio callers never touch torch: ``generate`` queues a request with the scheduler (under the
 engine lock) and awaits its events. One worker thread loops schedule -> execute -> update; the
@@ -14,8 +15,7 @@ import asyncio
 import contextvars
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
 
 import torch
 
@@ -23,90 +23,21 @@ from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger
 from services.inference.engine_config import EngineConfig
+from services.inference.engine_stats import EngineStats, engine_stats
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.prefix_index import PrefixIndex
 from services.inference.request import GenerateRequest, TokenEvent
+from services.inference.request_record import Deliver, Post, RequestRecord, post_all
 from services.inference.runner import KVCacheError, ModelRunner, RowSampling
 from services.inference.sampler import new_generator
-from services.inference.scheduler import Scheduler, SchedulerOutput, Seq
+from services.inference.scheduler import Scheduler
+from services.inference.scheduler_output import SchedulerOutput
+from services.inference.sequence import Seq
 from services.inference.speculative import NgramDrafter
 from services.inference.torch_thread import adopt_thread_count
 
 log = get_logger("batch_engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """A snapshot for the Stats RPC and the metrics."""
-
-    num_running: int
-    num_waiting: int
-    kv_total_bytes: int
-    kv_used_bytes: int
-    kv_free_bytes: int
-    prefix_lookups: int
-    prefix_hits: int
-    prefix_hit_tokens: int
-    num_steps: int
-    num_generated_tokens: int
-    num_preemptions: int
-    num_draft_tokens: int
-    num_accepted_draft_tokens: int
-
-
-@dataclass(eq=False)
-class _Record:
-    """Engine-side state of one request: where its events go and how it samples."""
-
-    request: GenerateRequest
-    seq: Seq
-    sampling: RowSampling
-    loop: asyncio.AbstractEventLoop
-    deliver: Deliver
-    """Called on ``loop``'s thread with each event, then once with the last one or an error."""
-    context: contextvars.Context
-    """The submitter's context, which ``deliver`` runs in (its log lines keep their bindings)."""
-    compute_s: float = 0.0
-
-    def post(self, item: TokenEvent | BaseException) -> None:
-        _post_all([(self, item)])
-
-    bytes_per_token: int = 0
-    peak_tokens: int = 0
-
-    def event(self, token_ids: tuple[int, ...], reason: FinishReason | None) -> TokenEvent:
-        seq = self.seq
-        queued_s = (seq.first_scheduled or time.monotonic()) - seq.arrival
-        self.peak_tokens = max(self.peak_tokens, seq.num_computed_tokens)  # K/V written so far
-        return TokenEvent(token_ids, reason, seq.num_prompt_tokens,
-                          seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000,
-                          self.peak_tokens * self.bytes_per_token)
-
-
-_Post = tuple[_Record, TokenEvent | BaseException]
-Deliver = Callable[[TokenEvent | BaseException], None]
-
-
-def _post_all(posts: Sequence[_Post]) -> None:
-    """Hand events to their callers' loops with one wake-up per loop, not one per event, so a
-    step of 64 sequences wakes the asyncio thread once while the next forward runs."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[_Post]] = {}
-    for record, event in posts:
-        by_loop.setdefault(record.loop, []).append((record, event))
-    for loop, items in by_loop.items():
-        try:
-            loop.call_soon_threadsafe(_deliver, items)
-        except RuntimeError:  # the callers' loop is closed: nobody listens any more
-            pass
-
-
-def _deliver(items: Sequence[_Post]) -> None:
-    for record, event in items:
-        try:
-            record.context.run(record.deliver, event)
-        except Exception:  # noqa: BLE001 - one caller's bug must not starve the others of events
-            log.exception("deliver_failed", request_id=record.request.request_id)
 
 
 class BatchEngine:
@@ -123,30 +54,16 @@ class BatchEngine:
         self.scheduler = Scheduler(config.scheduler, plan.num_slots, plan.slot_len, prefix)
         self.runner = ModelRunner(model, self.cache)
         self._lock = threading.Condition()
-        self._records: dict[Seq, _Record] = {}
+        self._records: dict[Seq, RequestRecord] = {}
         self._aborts: list[Seq] = []
         self._is_accepting, self._is_stopping = True, False
         self._thread: threading.Thread | None = None
         self._num_steps = self._num_generated = 0
 
-    @property
-    def num_waiting(self) -> int:
-        return self.scheduler.num_waiting
-
-    @property
-    def num_running(self) -> int:
-        return self.scheduler.num_running
-
     def stats(self) -> EngineStats:
+        """A snapshot of the batch, the queue, the KV cache and the totals (no torch work)."""
         with self._lock:
-            s, prefix = self.scheduler, self.scheduler.prefix
-            used = self.cache.used_bytes(s.num_running, prefix.num_used_blocks if prefix else 0)
-            return EngineStats(
-                s.num_running, s.num_waiting, self.cache.total_bytes, used,
-                self.cache.total_bytes - used, prefix.num_lookups if prefix else 0,
-                prefix.num_hits if prefix else 0, prefix.num_hit_tokens if prefix else 0,
-                self._num_steps, self._num_generated, s.num_preemptions, s.num_draft_tokens,
-                s.num_accepted_tokens)
+            return engine_stats(self.scheduler, self.cache, self._num_steps, self._num_generated)
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
@@ -205,12 +122,6 @@ class BatchEngine:
 
         return await asyncio.to_thread(wait)
 
-    async def drain(self, timeout_s: float = 60.0) -> bool:
-        """Refuse new requests (Unavailable) and wait for the accepted ones to finish."""
-        with self._lock:
-            self._is_accepting = False
-        return await self.wait_idle(timeout_s)
-
     async def stop(self) -> None:
         """Refuse new requests, end the worker after its current step, then fail the queued
         requests (Unavailable) and cancel the running ones."""
@@ -231,7 +142,7 @@ class BatchEngine:
 
     # --- asyncio side -------------------------------------------------------------------------
 
-    def _submit(self, request: GenerateRequest, deliver: Deliver) -> _Record:
+    def _submit(self, request: GenerateRequest, deliver: Deliver) -> RequestRecord:
         self._validate(request)
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise DeadlineExceeded("deadline passed before the request was queued")
@@ -242,8 +153,8 @@ class BatchEngine:
         if self.scheduler.config.num_speculative_tokens and request.params.is_argmax:
             seq.drafter = NgramDrafter()  # drafts are verified against the argmax
         sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
-        record = _Record(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
-                         bytes_per_token=self.cache.layout.bytes_per_token)
+        record = RequestRecord(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
+                               self.cache.layout.bytes_per_token)
         with self._lock:
             if not self._is_accepting:
                 raise Unavailable("inference is draining; retry on another replica")
@@ -271,6 +182,7 @@ class BatchEngine:
     # --- worker thread ------------------------------------------------------------------------
 
     def _work(self) -> None:
+        """The worker thread: build the CPU kernels, then step while there is work."""
         adopt_thread_count()
         try:  # on this thread only (the one torch thread); a failure only leaves kernels to build later
             self.model.prepare_kernels(self.scheduler.config.max_num_batched_tokens)
@@ -301,6 +213,7 @@ class BatchEngine:
             return False
 
     def _step(self) -> None:
+        """One step: schedule (lock held), execute (lock free: requests queue meanwhile), account."""
         with self._lock:
             output = self.scheduler.schedule()
             sampling = {c.seq: self._records[c.seq].sampling for c in output.chunks if c.is_sampled}
@@ -316,21 +229,27 @@ class BatchEngine:
             self._fail(failed, exc)
             return
         elapsed_s = time.perf_counter() - started
-        posts: list[_Post] = []
         with self._lock:
-            grown = self.scheduler.update(output, sampled)
-            self._num_steps += 1
-            self._num_generated += sum(count for _, count in grown)
-            for chunk in output.chunks:
-                if (record := self._records.get(chunk.seq)) is not None:
-                    record.compute_s += elapsed_s
-            for seq, count in grown:
-                record = self._records[seq]
-                posts.append((record, record.event(tuple(seq.token_ids[-count:]), seq.finish_reason)))
-                if seq.is_finished:
-                    del self._records[seq]
+            posts = self._account(output, sampled, elapsed_s)
             self._lock.notify_all()
-        _post_all(posts)
+        post_all(posts)
+
+    def _account(self, output: SchedulerOutput, sampled: list[tuple[int, ...]], elapsed_s: float) -> list[Post]:
+        """Update the scheduler and the records with a step's results (lock held); returns the
+        events to post, one per sequence that grew."""
+        grown = self.scheduler.update(output, sampled)
+        self._num_steps += 1
+        self._num_generated += sum(count for _, count in grown)
+        for chunk in output.chunks:
+            if (record := self._records.get(chunk.seq)) is not None:
+                record.compute_s += elapsed_s
+        posts: list[Post] = []
+        for seq, count in grown:
+            record = self._records[seq]
+            posts.append((record, record.event(tuple(seq.token_ids[-count:]), seq.finish_reason)))
+            if seq.is_finished:
+                del self._records[seq]
+        return posts
 
     def _finish_early(self, seq: Seq) -> None:
         """Report a sequence that ended outside a forward (lock held)."""
@@ -343,6 +262,7 @@ class BatchEngine:
             record.post(record.event((), FinishReason.CANCELLED))
 
     def _fail(self, failed: list[Seq], exc: Exception) -> None:
+        """Fail the requests of ``failed`` sequences with the step's error."""
         with self._lock:
             for seq in failed:
                 if (record := self._records.pop(seq, None)) is not None:

@@ -1,4 +1,4 @@
-"""Settings of the inference service (``AISERVE_INFERENCE_*``, DESIGN.md §3)."""
+"""Settings of the inference service (``AISERVE_INFERENCE_*``; how settings load: aiserve/common/config.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class InferenceConfig(ServiceConfig):
     ``max_num_seqs``, ``kv_cache_bytes``, ... (services/inference/engine_config.py)."""
 
     def validate(self) -> None:
+        """Raise ConfigError naming the first setting out of range and its limit."""
         super().validate()
         require(is_model_ref(self.model), f"model: must be 'name@version', got {self.model!r}")
         require(bool(_DEVICE_RE.fullmatch(self.device)),

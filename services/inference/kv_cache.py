@@ -20,7 +20,7 @@ import torch
 
 from services.inference.engine_config import KVCacheConfig
 from services.inference.prefix_index import BlockCopy
-from services.inference.scheduler import SlotMove
+from services.inference.slot_table import SlotMove
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +34,7 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
+        """K and V of every layer for one token."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize  # K and V
 
@@ -85,14 +86,17 @@ class KVCache:
 
     @property
     def slot_bytes(self) -> int:
+        """Bytes of one slot (``slot_len`` tokens)."""
         return self.plan.slot_len * self.layout.bytes_per_token
 
     @property
     def block_bytes(self) -> int:
+        """Bytes of one prefix block (``block_size`` tokens)."""
         return self.plan.block_size * self.layout.bytes_per_token
 
     @property
     def total_bytes(self) -> int:
+        """Bytes of every slot and prefix block (allocated at start)."""
         return self.plan.num_slots * self.slot_bytes + self.plan.num_blocks * self.block_bytes
 
     def used_bytes(self, num_used_slots: int, num_used_blocks: int) -> int:

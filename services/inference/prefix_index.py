@@ -47,6 +47,7 @@ class PrefixIndex:
 
     @property
     def num_used_blocks(self) -> int:
+        """Store blocks holding a prefix (committed or pending)."""
         return self.num_blocks - len(self._free)
 
     def match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[int, ...]:
@@ -94,6 +95,7 @@ class PrefixIndex:
         self._pending.clear()
 
     def clear(self) -> None:
+        """Forget every block (the store's K/V may be inconsistent after a failed copy)."""
         self._blocks.clear()
         self._pending.clear()
         self._free = list(range(self.num_blocks - 1, -1, -1))

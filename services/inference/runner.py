@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from services.inference.kv_cache import KVCache
-from services.inference.llama import ForwardBatch, LlamaConfig, LlamaModel, PrefillSpan
+from services.inference.llama import ForwardBatch, LlamaModel, PrefillSpan
+from services.inference.llama_config import LlamaConfig
 from services.inference.sampler import SamplingParams, sample
-from services.inference.scheduler import SchedulerOutput, Seq
+from services.inference.scheduler_output import SchedulerOutput
+from services.inference.sequence import Seq
 from services.inference.speculative import accept
 
 

@@ -33,6 +33,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
+        """Temperature 0: the pick is the (penalised) argmax, nothing is drawn."""
         return self.temperature == 0.0
 
     @property

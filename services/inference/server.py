@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 
 import torch
 from grpc import aio
@@ -16,15 +15,15 @@ from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
-from aiserve.model_facts import read_model_facts
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.batch_engine import BatchEngine, EngineStats
+from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
-from services.inference.generate_mux import MuxCall
-from services.inference.llama import LlamaModel
+from services.inference.engine_build import build_engine
+from services.inference.engine_stats import EngineStats
+from services.inference.generate_mux_server import MuxCall
 from services.inference.messages import from_pb, to_pb
-from services.inference.model import TORCH_DTYPES, ModelInfo
+from services.inference.model import ModelInfo
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import in_fresh_thread
 
@@ -49,6 +48,7 @@ class EngineCollector(Collector):
         self.engine = engine
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """One snapshot of the engine as metric families (called by the registry at scrape time)."""
         s = self.engine.stats()
         rss = rss_bytes()
         p = "aiserve_inference_"
@@ -72,6 +72,7 @@ class EngineCollector(Collector):
 
 
 def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
+    """domain -> pb for the Stats RPC (``rss``: this process's resident bytes)."""
     return inference_pb2.InferenceStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
         kv_used_bytes=s.kv_used_bytes, kv_free_bytes=s.kv_free_bytes,
@@ -118,7 +119,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request_iterator: AsyncIterator[inference_pb2.GenerateMuxRequest], context: aio.ServicerContext
     ) -> AsyncIterator[inference_pb2.GenerateMuxResponse]:
         """Generate for many generations over one call; each step's events in one message
-        (generate_mux.py)."""
+        (generate_mux_server.py)."""
         mux = MuxCall(self.engine, str(self.model.ref), self.metrics)
         if self._is_stopping:
             mux.stop()
@@ -155,14 +156,6 @@ async def warm_up(engine: BatchEngine) -> None:
         pass
 
 
-def build_engine(config: InferenceConfig, folder: Path) -> BatchEngine:
-    """Load the (verified) model folder and build the engine the settings describe."""
-    dtype = TORCH_DTYPES[config.dtype]
-    matmul = None if config.matmul_dtype == "auto" else TORCH_DTYPES[config.matmul_dtype]
-    model = LlamaModel.load(folder, config.device, dtype, matmul)
-    return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)
-
-
 async def create_server(config: InferenceConfig) -> ServiceHandle:
     """Verify and load the model, start and warm up the engine, and build the (unstarted)
     server. ModelStoreError propagates (missing or tampered model)."""
@@ -191,6 +184,7 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
                     max_seq_len=engine.scheduler.slot_len)
     log.info("model_loaded", model=str(model.ref), device=model.device, dtype=model.dtype,
              matmul_dtype=str(engine.model.matmul_dtype).removeprefix("torch."),
+             packed_weights=engine.model.packed_weights,
              max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,
              kv_cache_bytes=engine.cache.total_bytes)
     return handle

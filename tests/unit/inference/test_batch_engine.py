@@ -16,12 +16,13 @@ from services.inference.engine_config import EngineConfig, KVCacheConfig, Schedu
 from services.inference.llama import LlamaModel
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.sampler import SamplingParams
+from tests.unit.inference.engine_probes import Events, StepLog, clock_past
 
 MAX_NEW = 10
 
 
 @pytest.fixture(scope="module")
-def model(model_dir: Path) -> LlamaModel:
+def model(model_dir: Path, two_torch_threads: None) -> LlamaModel:
     return LlamaModel.load(model_dir, "cpu", torch.float32)
 
 
@@ -91,20 +92,32 @@ async def test_shared_prefix_is_reused_and_gives_the_same_tokens(engine: BatchEn
     assert second == first
 
 
-async def test_cancellation_frees_kv_within_a_step(engine: BatchEngine) -> None:
-    a = engine.generate(request(prompts(1)[0], "a", max_new=60))
-    b = engine.generate(request(prompts(2)[1], "b", max_new=60))
-    await a.__anext__()
-    await b.__anext__()
+async def test_a_cancelled_request_leaves_the_batch_after_at_most_the_step_in_flight(
+    engine: BatchEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Counted in steps, not time: of the steps that start after ``cancel()`` returns, only the
+    first (scheduled before the cancel, in flight) may still compute the request; its KV slot
+    is free after that step."""
+    log = StepLog(engine, monkeypatch)
+    a_prompt, b_prompt = prompts(1)[0], prompts(2)[1]
+    a, b = Events(), Events()
+    cancel_a = engine.submit(request(a_prompt, "a", max_new=60), a)
+    engine.submit(request(b_prompt, "b", max_new=60), b)
+    await a.until(1)
+    await b.until(1)  # both are in the batch
     before = engine.stats()
     assert before.num_running == 2
-    await a.aclose()  # the caller goes away
-    await b.__anext__()  # a step that may have started before the abort
-    await b.__anext__()  # a step after it
+    cancel_a()
+    mark = log.count
+    while log.count < mark + 3:  # b keeps decoding: wait for three more steps
+        await b.until(len(b.items) + 1)
+    with_a = [a_prompt in step for step in log.since(mark)]
+    assert not any(with_a[1:]), with_a
     after = engine.stats()
     assert after.num_running == 1
     assert before.kv_used_bytes - after.kv_used_bytes == engine.cache.slot_bytes
-    await b.aclose()
+    last = await a.last()  # the cancelled request is told, with no tokens after the step in flight
+    assert isinstance(last, TokenEvent) and last.finish_reason == "cancelled"
 
 
 async def test_an_exception_in_a_step_releases_kv(engine: BatchEngine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,36 +166,36 @@ async def test_preempted_request_resumes_with_the_same_tokens(model: LlamaModel)
 
 
 async def test_deadline_passing_in_the_queue_raises_deadline_exceeded(model: LlamaModel) -> None:
-    engine = make_engine(model, max_num_seqs=1, enable_preemption=False)
-    engine.start()
+    engine = make_engine(model)  # not started yet: the request waits in the queue
     try:
-        busy = engine.generate(request(prompts(1)[0], max_new=40))
-        await busy.__anext__()  # it holds the only slot now
-        late = request(prompts(2)[1], "late", deadline=time.monotonic() + 0.3)
-        with pytest.raises(DeadlineExceeded):
-            await collect(engine, late)
-        assert engine.stats().num_waiting == 0
-        await busy.aclose()
+        deadline = time.monotonic() + 0.05
+        late = Events()
+        engine.submit(request(prompts(1)[0], "late", deadline=deadline), late)
+        assert engine.stats().num_waiting == 1
+        await clock_past(deadline)
+        engine.start()  # its first schedule finds the deadline passed
+        assert isinstance(await late.last(), DeadlineExceeded)
+        assert len(late.items) == 1  # no token before the error: it never ran
+        stats = engine.stats()
+        assert (stats.num_waiting, stats.num_generated_tokens) == (0, 0)
     finally:
         await engine.stop()
 
 
 async def test_full_queue_raises_and_stop_fails_the_queued(model: LlamaModel) -> None:
     engine = make_engine(model, max_queue=1)  # not started: requests stay queued
-    first = engine.generate(request(prompts(1)[0]))
-    pending = asyncio.ensure_future(first.__anext__())
-    await asyncio.sleep(0)  # let it queue
+    first = Events()
+    engine.submit(request(prompts(1)[0]), first)
     with pytest.raises(ResourceExhausted, match="max_queue"):
-        await engine.generate(request(prompts(1)[0])).__anext__()
+        engine.submit(request(prompts(1)[0]), Events())
+    await engine.stop()
+    assert isinstance(await first.last(), Unavailable)
+
+
+async def test_a_stopped_engine_refuses_new_requests(engine: BatchEngine) -> None:
     await engine.stop()
     with pytest.raises(Unavailable):
-        await pending
-
-
-async def test_drain_refuses_new_requests(engine: BatchEngine) -> None:
-    assert await engine.drain(timeout_s=30)
-    with pytest.raises(Unavailable):
-        await collect(engine, request(prompts(1)[0]))
+        engine.submit(request(prompts(1)[0]), lambda event: None)
 
 
 async def test_speculative_decoding_keeps_the_greedy_output(model: LlamaModel) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,20 +15,22 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
-from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted
 from aiserve.model_facts import read_model_facts
 from services.inference.batch_engine import BatchEngine
 from services.inference.engine_config import EngineConfig, KVCacheConfig, SchedulerConfig
+from services.inference.engine_stats import EngineStats
 from services.inference.llama import LlamaModel
 from services.inference.request import GenerateRequest, TokenEvent
+from tests.unit.inference.engine_probes import Events, StepGate, clock_past
 
 LONG = 400  # more tokens than any test waits for: such a request runs until cancelled
 MAX_SEQ_LEN = 512
+TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def loaded(model_dir: Path) -> LlamaModel:
-    torch.set_num_threads(2)
+def loaded(model_dir: Path, two_torch_threads: None) -> LlamaModel:
     return LlamaModel.load(model_dir, "cpu", torch.float32)
 
 
@@ -117,19 +119,28 @@ async def test_stop_token_ids_finish_with_stop(engine: BatchEngine, tokenizer: T
     assert events[-1].finish_reason == "stop"
 
 
+async def idle_before_long_ends(engine: BatchEngine, before: EngineStats) -> None:
+    """The engine went idle having made fewer than LONG tokens since ``before``: the long
+    request left early (cancelled), it did not simply run to its end."""
+    assert await engine.wait_idle(timeout_s=TIMEOUT_S)
+    assert engine.stats().num_generated_tokens - before.num_generated_tokens < LONG
+
+
 async def test_closing_the_stream_frees_the_request(engine: BatchEngine, tokenizer: Tokenizer) -> None:
+    before = engine.stats()
     stream = engine.generate(make_request("c", chat(tokenizer, "Count to a million."), LONG))
     for _ in range(3):
         await anext(stream)
-    assert engine.num_running == 1
+    assert engine.stats().num_running == 1
     await stream.aclose()
-    assert await engine.wait_idle(timeout_s=10)
-    assert engine.num_running == 0
+    await idle_before_long_ends(engine, before)
+    assert engine.stats().num_running == 0
 
 
 async def test_cancelling_the_consumer_task_frees_the_request(
     engine: BatchEngine, tokenizer: Tokenizer
 ) -> None:
+    before = engine.stats()
     started = asyncio.Event()
 
     async def consume() -> None:
@@ -137,11 +148,11 @@ async def test_cancelling_the_consumer_task_frees_the_request(
             started.set()
 
     task = asyncio.create_task(consume())
-    await asyncio.wait_for(started.wait(), timeout=30)
+    await asyncio.wait_for(started.wait(), timeout=TIMEOUT_S)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    assert await engine.wait_idle(timeout_s=10)
+    await idle_before_long_ends(engine, before)
 
 
 async def start_long(engine: BatchEngine, tokenizer: Tokenizer) -> AsyncGenerator[TokenEvent, None]:
@@ -152,50 +163,56 @@ async def start_long(engine: BatchEngine, tokenizer: Tokenizer) -> AsyncGenerato
 
 
 async def test_deadline_passing_in_the_queue_fails_and_never_runs(
-    engine: BatchEngine, tokenizer: Tokenizer
+    engine: BatchEngine, tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     busy = await start_long(engine, tokenizer)
+    gate = StepGate(engine, monkeypatch)
     try:
-        late = make_request("late", (1, 2, 3), 4, deadline=time.monotonic() + 0.3)
-        with pytest.raises(DeadlineExceeded):
-            await collect(engine, late)
-        assert engine.num_waiting == 0  # it left the queue
+        await gate.entered()  # the worker is inside a step of the busy request, which holds the only slot
+        deadline = time.monotonic() + 0.05
+        late = Events()
+        engine.submit(make_request("late", (1, 2, 3), 4, deadline=deadline), late)
+        await clock_past(deadline)  # passed while it waited
+        gate.release()
+        assert isinstance(await late.last(), DeadlineExceeded)
+        assert len(late.items) == 1  # no token before the error: it never ran
+        assert engine.stats().num_waiting == 0  # it left the queue
         with pytest.raises(DeadlineExceeded):  # already past when submitted
             await collect(engine, make_request("past", (1,), 1, deadline=time.monotonic()))
     finally:
+        gate.release()
         await busy.aclose()
 
 
 async def test_full_queue_is_resource_exhausted(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     busy = await start_long(engine, tokenizer)
-    queued = [engine.generate(make_request(f"q{i}", (1, 2), 1)) for i in range(2)]
-    tasks: list[asyncio.Task[TokenEvent]] = [asyncio.create_task(anext(q)) for q in queued]
+    cancels = [engine.submit(make_request(f"q{i}", (1, 2), 1), Events()) for i in range(2)]
     try:
-        await asyncio.sleep(0)  # one loop turn: each task's first anext enqueues synchronously
-        assert engine.num_waiting == 2  # max_queue
+        assert engine.stats().num_waiting == 2  # max_queue
         with pytest.raises(ResourceExhausted, match="max_queue"):
             await collect(engine, make_request("over", (1, 2), 1))
     finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for cancel in cancels:
+            cancel()
         await busy.aclose()
-    assert await engine.wait_idle(timeout_s=10)
+    assert await engine.wait_idle(timeout_s=TIMEOUT_S)
 
 
 async def test_higher_priority_runs_first(engine: BatchEngine, tokenizer: Tokenizer) -> None:
     busy = await start_long(engine, tokenizer)
     order: list[str] = []
 
-    async def run(request_id: str, priority: int) -> None:
-        await collect(engine, make_request(request_id, (1, 2), 1, priority=priority))
-        order.append(request_id)
+    def record_finish(name: str) -> Callable[[object], None]:
+        return lambda _: order.append(name)
 
-    tasks = [asyncio.create_task(run("normal", 0)), asyncio.create_task(run("urgent", 5))]
-    await asyncio.sleep(0)  # both are queued behind the busy request
-    assert engine.num_waiting == 2
+    done = {name: Events() for name in ("normal", "urgent")}
+    for name, priority in (("normal", 0), ("urgent", 5)):
+        engine.submit(make_request(name, (1, 2), 1, priority=priority), done[name])
+        done[name].done.add_done_callback(record_finish(name))
+    assert engine.stats().num_waiting == 2  # both are queued behind the busy request
     await busy.aclose()
-    await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    await done["normal"].last()
+    await done["urgent"].last()
     assert order == ["urgent", "normal"]
 
 
@@ -215,8 +232,3 @@ async def test_invalid_requests_name_field_and_limit(
     with pytest.raises(InvalidArgument, match=field):
         await collect(engine, make_request("bad", prompt, max_new_tokens))
 
-
-async def test_draining_refuses_new_requests(engine: BatchEngine) -> None:
-    assert await engine.drain(timeout_s=10)
-    with pytest.raises(Unavailable):
-        await collect(engine, make_request("d", (1,), 1))

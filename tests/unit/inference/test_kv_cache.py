@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiserve.common.config import ConfigError
 from services.inference.engine_config import KVCacheConfig
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.prefix_index import BlockCopy
-from services.inference.scheduler import SlotMove
+from services.inference.slot_table import SlotMove
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=3, head_dim=4, dtype=torch.float32)
 CPU = torch.device("cpu")
@@ -45,11 +44,6 @@ def test_plan_refuses_a_budget_without_one_slot() -> None:
     config = KVCacheConfig(kv_cache_bytes=1 << 20, max_seq_len=1 << 16)
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         KVPlan.fit(config, LAYOUT, max_num_seqs=8, context_len=1 << 16)
-
-
-def test_config_validate_names_the_field() -> None:
-    with pytest.raises(ConfigError, match="prefix_cache_fraction"):
-        KVCacheConfig(prefix_cache_fraction=1.5).validate()
 
 
 def test_used_and_free_bytes() -> None:

@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.inference.llama import LlamaModel, bucket_rows, default_matmul_dtype
+from services.inference.cpu_kernels import default_matmul_dtype
+from services.inference.llama import LlamaModel
 from services.inference.runner import BatchRow, build_batch
 
 CPU = torch.device("cpu")
@@ -127,12 +128,6 @@ def test_bfloat16_logits_match_transformers(model_dir: Path, hf_fp32: PreTrained
     hf_at_ours = [list(ref[i][len(p) - 1 : len(p) - 1 + len(got[i])]) for i, p in enumerate(prompts)]
     assert compare(got, ref, prompts) < 2.0
     assert compare(got, exact, prompts) < 1.25 * compare(hf_at_ours, exact, prompts) + 0.5
-
-
-def test_matmul_dtype_defaults() -> None:
-    assert default_matmul_dtype(CPU, torch.float32) == torch.float32
-    assert default_matmul_dtype(torch.device("cuda"), torch.bfloat16) == torch.bfloat16
-    assert default_matmul_dtype(CPU, torch.bfloat16) in (torch.bfloat16, torch.float32)
 
 
 def tiny(kind: str, tmp_path: Path) -> Path:
@@ -256,16 +251,6 @@ def test_packed_weights_give_the_same_logits(model_dir: Path) -> None:
     prompts, conts = inputs(packed.config.vocab_size, seed=3)
     for a, b in zip(our_logits(packed, prompts, conts), our_logits(plain, prompts, conts), strict=True):
         assert torch.equal(torch.stack(a), torch.stack(b))
-
-
-def test_bucketed_row_counts_are_few_and_waste_at_most_a_quarter() -> None:
-    buckets = [bucket_rows(rows) for rows in range(1, 20_001)]
-    assert buckets[:32] == list(range(1, 33))  # decode batches up to 32 run exactly
-    for rows, bucket in enumerate(buckets, start=1):
-        assert rows <= bucket <= rows * 1.25 and bucket_rows(bucket) == bucket
-    assert buckets[:64] == sorted(buckets[:64])
-    assert len(set(buckets[:512])) == 48  # kernels per weight shape for the default step budget
-    assert len(set(buckets[:16_384])) == 68
 
 
 def test_prepare_kernels_runs_every_packed_shape_at_every_bucket(model_dir: Path) -> None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.inference.engine_config import SchedulerConfig
-from services.inference.scheduler import Scheduler, Seq, SlotMove
+from services.inference.scheduler import Scheduler
+from services.inference.sequence import Seq
+from services.inference.slot_table import SlotMove
 from services.inference.speculative import NgramDrafter, accept
 
 STOP = 99

@@ -1,4 +1,4 @@
-"""Inference's side of GenerateMux: many generations over one call, one message per engine step.
+"""The server end of GenerateMux: many generations over one call, one message per engine step.
 
 With a Generate call per generation, a step of 64 sequences is 64 gRPC messages out of this
 process and 64 into the gateway, each with its own task wake-up, write and read; on a machine

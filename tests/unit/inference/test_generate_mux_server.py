@@ -1,15 +1,16 @@
-"""GenerateMux on the inference service in-process (real model, float32), over real gRPC."""
+"""GenerateMux, the server end (generate_mux_server.py), on the inference service in-process
+(real model, float32), over real gRPC."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
 import pytest
 import pytest_asyncio
-import torch
 from grpc import aio
 
 from aiserve.common.config import config_with
@@ -32,9 +33,9 @@ class Served:
     stub: inference_pb2_grpc.InferenceStub
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def served(store: ModelStore) -> AsyncIterator[Served]:
-    torch.set_num_threads(2)
+@asynccontextmanager
+async def serving(store: ModelStore) -> AsyncIterator[Served]:
+    """The inference service on a free port, stopped on exit."""
     config = config_with(InferenceConfig, port=0, metrics_port=0, dtype="float32", model_store=str(store.root),
                          max_num_seqs=4, kv_cache_bytes=256 << 20, max_seq_len=1024)
     handle = await create_server(config)
@@ -44,6 +45,12 @@ async def served(store: ModelStore) -> AsyncIterator[Served]:
             yield Served(handle, inference_pb2_grpc.InferenceStub(channel))
     finally:
         await handle.stop(0)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def served(store: ModelStore, two_torch_threads: None) -> AsyncIterator[Served]:
+    async with serving(store) as served:
+        yield served
 
 
 def start(stream: int, max_new_tokens: int = 5, timeout_ms: int = 0, prompt: list[int] | None = None,
@@ -92,6 +99,10 @@ async def engine_idle(served: Served) -> bool:
     return await engine_of(served).wait_idle(TIMEOUT_S)
 
 
+def generated_tokens(served: Served) -> int:
+    return engine_of(served).stats().num_generated_tokens
+
+
 async def test_streams_get_what_generate_gives_with_a_step_in_one_message(served: Served) -> None:
     lengths = {1: 3, 2: 7, 3: 5, 4: 6}
     alone = {}
@@ -116,8 +127,9 @@ async def test_streams_get_what_generate_gives_with_a_step_in_one_message(served
 
 
 async def test_a_bad_item_fails_its_own_stream_only(served: Served) -> None:
+    before = generated_tokens(served)
     mux = Mux(served.stub)
-    await mux.send(start(1, 4), start(2, prompt=[]), start(3, model="other@9"),
+    await mux.send(start(1, LONG), start(2, prompt=[]), start(3, model="other@9"),
                    inference_pb2.GenerateMuxItem(stream=4), start(5, prompt=[10**6]))
     await mux.send(start(1, 4))  # a second start of an open stream closes it too
     await mux.until(1, 2, 3, 4, 5)
@@ -131,7 +143,8 @@ async def test_a_bad_item_fails_its_own_stream_only(served: Served) -> None:
     assert "id 1000000 is outside the vocabulary" in mux.events[5][-1].message
     assert mux.events[1][-1].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
     assert "stream: 1 is already open" in mux.events[1][-1].message
-    assert await engine_idle(served)  # the closed stream 1 left the batch
+    assert await engine_idle(served)  # the closed stream 1 left the batch ...
+    assert generated_tokens(served) - before < LONG  # ... long before its LONG tokens
 
 
 async def test_a_bug_in_one_start_fails_that_stream_with_internal_only(
@@ -156,11 +169,13 @@ async def test_a_bug_in_one_start_fails_that_stream_with_internal_only(
 
 
 async def test_a_cancel_item_takes_the_generation_out_and_the_call_goes_on(served: Served) -> None:
+    before = generated_tokens(served)
     mux = Mux(served.stub)
     await mux.send(start(1, LONG))
     await mux.until(1, first_only=True)
     await mux.send(inference_pb2.GenerateMuxItem(stream=1, cancel=True))
-    assert await engine_idle(served)  # out of the batch, its KV slot freed, long before LONG tokens
+    assert await engine_idle(served)  # out of the batch, its KV slot freed ...
+    assert generated_tokens(served) - before < LONG  # ... long before its LONG tokens
     stats = await served.stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
     assert (stats.num_running, stats.num_waiting) == (0, 0)
     await mux.send(start(2, 2))
@@ -171,34 +186,42 @@ async def test_a_cancel_item_takes_the_generation_out_and_the_call_goes_on(serve
 
 
 async def test_a_deadline_that_passes_while_running_ends_the_stream(served: Served) -> None:
+    before = generated_tokens(served)
     mux = Mux(served.stub)
     await mux.send(start(1, LONG, timeout_ms=1500))
     await mux.until(1)
-    last = mux.events[1][-1]
+    *tokens, last = mux.events[1]
     assert last.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
-    assert "deadline passed after" in last.message and len(mux.events[1]) > 1  # it ran, then expired
+    # the stream's timer ended it (not the queue): it reports the tokens it had sent
+    made = tokens[-1].response.completion_tokens if tokens else 0
+    assert last.message == f"deadline passed after {made} generated tokens"
     assert await engine_idle(served)
+    assert generated_tokens(served) - before < LONG  # the generation left the batch
     mux.call.cancel()
 
 
 async def test_ending_the_call_cancels_its_generations(served: Served) -> None:
+    before = generated_tokens(served)
     mux = Mux(served.stub)
     await mux.send(start(1, LONG), start(2, LONG))
     await mux.until(1, 2, first_only=True)
     mux.call.cancel()
     assert await engine_idle(served)
+    assert generated_tokens(served) - before < LONG  # neither ran to its end
 
 
-async def test_stopping_refuses_new_streams_and_ends_the_call_after_the_running_ones(served: Served) -> None:
-    """Last in this module: the service stays stopping afterwards."""
-    mux = Mux(served.stub)
-    await mux.send(start(1, 8))
-    await mux.until(1, first_only=True)
-    for stopping in served.handle.on_stopping:  # what SIGTERM runs before the grace period
-        stopping()
-    await mux.send(start(2, 2))
-    await mux.until(1, 2)
-    assert mux.events[1][-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH  # finished its work
-    assert mux.events[2][-1].code == grpc.StatusCode.UNAVAILABLE.value[0]
-    assert await asyncio.wait_for(mux.call.read(), TIMEOUT_S) is aio.EOF  # then the call ends
-    assert await mux.call.code() == grpc.StatusCode.OK
+async def test_stopping_refuses_new_streams_and_ends_the_call_after_the_running_ones(
+        store: ModelStore, two_torch_threads: None) -> None:
+    """On a service of its own: stopping is for good."""
+    async with serving(store) as served:
+        mux = Mux(served.stub)
+        await mux.send(start(1, 8))
+        await mux.until(1, first_only=True)
+        for stopping in served.handle.on_stopping:  # what SIGTERM runs before the grace period
+            stopping()
+        await mux.send(start(2, 2))
+        await mux.until(1, 2)
+        assert mux.events[1][-1].response.finish_reason == common_pb2.FINISH_REASON_LENGTH  # finished its work
+        assert mux.events[2][-1].code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert await asyncio.wait_for(mux.call.read(), TIMEOUT_S) is aio.EOF  # then the call ends
+        assert await mux.call.code() == grpc.StatusCode.OK

@@ -1,0 +1,151 @@
+"""A Llama-family model's weights as the forward uses them: read from safetensors, fused
+(q/k/v into one product, gate/up into one), on the device in the model dtype.
+
+Each matrix product is a ``Linear``: the weight in the model dtype, plus a float32 copy where
+the model runs its larger products wider (``matmul_dtype``), or a oneDNN-packed copy where
+``cpu_kernels.pack_weight`` gives an exact one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from services.inference.cpu_kernels import pack_weight, packed_linear, packing_is_exact
+from services.inference.llama_config import LlamaConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Linear:
+    """``x @ w.T + b`` with ``w`` [out, in] in the model dtype, plus the float32 copies
+    ``w_wide``/``b_wide`` when the model has a wider matmul dtype (None otherwise), and
+    ``packed``, ``w`` in oneDNN's layout, where ``pack_weight`` gives one."""
+
+    w: torch.Tensor
+    b: torch.Tensor | None = None
+    w_wide: torch.Tensor | None = None
+    b_wide: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
+        """x [M, in] -> [M, out]; ``wide``: use the float32 copy if there is one."""
+        if wide and self.w_wide is not None:
+            return F.linear(x.to(self.w_wide.dtype), self.w_wide, self.b_wide).to(x.dtype)
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.b)
+        return F.linear(x, self.w, self.b)
+
+
+@dataclass(frozen=True, slots=True)
+class Layer:
+    """One decoder layer's weights."""
+
+    ln_attn: torch.Tensor  # [hidden]
+    qkv: Linear  # [(H + 2*KVH) * D, hidden]; bias for Qwen2
+    o: Linear  # [hidden, H * D]
+    ln_mlp: torch.Tensor  # [hidden]
+    gate_up: Linear  # [2 * I, hidden]
+    down: Linear  # [hidden, I]
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaWeights:
+    """Every weight of the model."""
+
+    embed: torch.Tensor  # [V, hidden]
+    lm_head: Linear  # [V, hidden]; shares ``embed`` when the embeddings are tied
+    norm: torch.Tensor  # [hidden]
+    layers: list[Layer]
+
+    def linears(self) -> list[Linear]:
+        """Every matrix product, the lm_head first."""
+        return [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of every *.safetensors in ``folder``, on the CPU, by name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            tensors.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    return tensors
+
+
+def build_weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                  matmul_dtype: torch.dtype, pack_weights: bool) -> LlamaWeights:
+    """The model's weights from its named tensors (ValueError naming a missing one)."""
+    reader = _WeightReader(tensors, device, dtype, matmul_dtype, pack_weights)
+    embed = reader.vector("model.embed_tokens.weight")
+    if config.tie_word_embeddings or "lm_head.weight" not in tensors:
+        lm_head = reader.tied_head(embed)
+    else:
+        lm_head = reader.linear(["lm_head"], bias=False)
+    norm = reader.vector("model.norm.weight")
+    return LlamaWeights(embed, lm_head, norm, [reader.layer(i) for i in range(config.num_layers)])
+
+
+class _WeightReader:
+    """Takes tensors by name, fuses and converts them; packs where packing is exact.
+
+    Packing applies to products in the model dtype only (not the float32 copies); after one
+    weight fails to pack exactly, the rest are not tried.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                 matmul_dtype: torch.dtype, pack_weights: bool) -> None:
+        self._tensors, self._device, self._dtype, self._matmul_dtype = tensors, device, dtype, matmul_dtype
+        self._can_pack = pack_weights and matmul_dtype == dtype
+
+    def layer(self, i: int) -> Layer:
+        """Decoder layer ``i``, its tensors read in the order of its fields."""
+        prefix = f"model.layers.{i}."
+        return Layer(
+            self.vector(prefix + "input_layernorm.weight"),
+            self.linear([prefix + f"self_attn.{n}_proj" for n in "qkv"]),
+            self.linear([prefix + "self_attn.o_proj"]),
+            self.vector(prefix + "post_attention_layernorm.weight"),
+            self.linear([prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], bias=False),
+            self.linear([prefix + "mlp.down_proj"], bias=False),
+        )
+
+    def tied_head(self, embed: torch.Tensor) -> Linear:
+        """The lm_head that shares the embedding (a packed copy is the layout's own buffer)."""
+        if self._matmul_dtype != self._dtype:
+            return Linear(embed, None, embed.to(self._matmul_dtype))
+        return Linear(embed, None, None, packed=self._packed(embed, None))
+
+    def linear(self, names: Sequence[str], bias: bool = True) -> Linear:
+        """The product of the named weights (and biases), concatenated along the output axis."""
+        w = self._get(*[n + ".weight" for n in names])
+        if w is None:
+            raise ValueError(f"weights: {names[0]}.weight is missing")
+        b = self._get(*[n + ".bias" for n in names]) if bias else None
+        if self._matmul_dtype == self._dtype:
+            return Linear(w, b, packed=self._packed(w, b))
+        return Linear(w, b, w.to(self._matmul_dtype), None if b is None else b.to(self._matmul_dtype))
+
+    def vector(self, name: str) -> torch.Tensor:
+        """The named tensor (a norm weight or the embedding)."""
+        if (t := self._get(name)) is None:
+            raise ValueError(f"weights: {name} is missing")
+        return t
+
+    def _get(self, *names: str) -> torch.Tensor | None:
+        """The named tensors, concatenated, on the device in the model dtype (None if absent)."""
+        if not all(n in self._tensors for n in names):
+            return None
+        # copy=True: never keep a buffer backed by the file mapping
+        return torch.cat([self._tensors[n] for n in names]).to(device=self._device, dtype=self._dtype, copy=True)
+
+    def _packed(self, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+        if not self._can_pack:
+            return None
+        if (p := pack_weight(w)) is None or not packing_is_exact(w, b, p):
+            self._can_pack = False
+            return None
+        return p
