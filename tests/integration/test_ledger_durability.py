@@ -10,8 +10,8 @@ import grpc
 from grpc import aio
 
 from aiserve.common.paths import LEDGER_FILE
-from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import gateway_pb2, gateway_pb2_grpc
+from suite.runner import Suite, SuiteConfig
 from tests.integration.conftest import auth, create_tenant, ledger_rows, new_request_id
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 

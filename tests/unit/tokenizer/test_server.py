@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -18,8 +19,9 @@ from aiserve.common.server import ServiceHandle, wait_for_serving
 from aiserve.store import ModelStore, ModelStoreError
 from aiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.server import create_server
+from services.tokenizer.server import TokenizerServicer, create_server
 from services.tokenizer.tokenizer import ChatMessage, ModelTokenizer
+from suite.process import read_announced_port
 
 # One server (and one event loop) for the module: loading verifies ~0.5 GB of model hashes.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -76,11 +78,48 @@ async def test_tokenize_and_detokenize(stub: Stub, tokenizer: ModelTokenizer) ->
     assert (await stub.Detokenize(wrapped, timeout=TIMEOUT_S)).text == CHINESE
 
 
-async def test_large_input_runs_off_the_event_loop(stub: Stub, tokenizer: ModelTokenizer) -> None:
+class _RecordingTokenizer:
+    """Stands in for the servicer's tokenizer: records the thread of each ``encode`` and holds a
+    large one until released, so a test can see what the event loop does meanwhile."""
+
+    def __init__(self, real: ModelTokenizer) -> None:
+        self._real = real
+        self.threads: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def encode(self, text: str, add_special_tokens: bool = False, field: str = "text") -> list[int]:
+        self.threads.append(threading.get_ident())
+        if len(text) > 10_000:
+            self.entered.set()
+            self.release.wait(TIMEOUT_S)
+        return self._real.encode(text, add_special_tokens, field)
+
+
+async def test_large_input_runs_off_the_event_loop(server: ServiceHandle, stub: Stub, tokenizer: ModelTokenizer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    servicer = server.servicer
+    assert isinstance(servicer, TokenizerServicer)
+    recorder = _RecordingTokenizer(servicer.tokenizer)
+    monkeypatch.setattr(servicer, "_tokenizer", recorder)
+    loop_thread = threading.get_ident()  # the server runs on this test's event loop
+    await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="A short text."), timeout=TIMEOUT_S)
+    assert recorder.threads == [loop_thread]  # small inputs are tokenized inline
+
     text = "Long inputs leave the event loop. " * 1000  # > 10k characters: worker thread
-    reply = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=TIMEOUT_S)
-    assert list(reply.token_ids) == tokenizer.encode(text)
-    back = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=reply.token_ids),
+    large = asyncio.ensure_future(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=TIMEOUT_S))
+    try:
+        assert await asyncio.to_thread(recorder.entered.wait, TIMEOUT_S), "the large call never reached encode"
+        # While encode is held, the event loop still answers another call.
+        info = await stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=TIMEOUT_S)
+        assert info.model == MODEL and not large.done()
+    finally:
+        recorder.release.set()
+    assert list((await large).token_ids) == tokenizer.encode(text)
+    assert recorder.threads[1] != loop_thread
+    back = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=(await large).token_ids),
                                  timeout=TIMEOUT_S)
     assert back.text == text
 
@@ -291,13 +330,19 @@ async def test_main_exits_2_on_a_missing_model(tmp_path: Path) -> None:
     assert len(lines) == 1 and "not in the store" in lines[0]
 
 
-async def test_module_serves_until_sigterm(store: ModelStore) -> None:
+async def test_module_announces_its_port_and_serves_until_sigterm(store: ModelStore) -> None:
     env = {**os.environ, "AISERVE_MODEL_STORE": str(store.root)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
-        cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE)
+    read_fd, write_fd = os.pipe()
     try:
-        port = await asyncio.wait_for(_serving_port(proc), TIMEOUT_S * 3)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
+            "--announce-fd", str(write_fd), cwd=REPO_ROOT, env=env, pass_fds=(write_fd,),
+            stdout=asyncio.subprocess.DEVNULL)
+    finally:
+        os.close(write_fd)
+    try:
+        port = await asyncio.wait_for(read_announced_port(read_fd), TIMEOUT_S * 3)
+        assert port, "the service exited before it announced its port"
         await wait_for_serving(f"127.0.0.1:{port}", TIMEOUT_S)
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), TIMEOUT_S) == 0
@@ -305,13 +350,3 @@ async def test_module_serves_until_sigterm(store: ModelStore) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def _serving_port(proc: asyncio.subprocess.Process) -> int:
-    """The port from the service's "serving" log line (a JSON object per line on stdout)."""
-    assert proc.stdout is not None
-    async for line in proc.stdout:
-        event = json.loads(line) if line.startswith(b"{") else {}
-        if event.get("event") == "serving":
-            return int(event["port"])
-    raise AssertionError("the service exited before serving")
