@@ -174,12 +174,13 @@ class Suite:
         cache, then the gateway with their addresses; return when all four are SERVING."""
         self.config.home.mkdir(parents=True, exist_ok=True)
         ensure_dev_key(self.config.home)
+        deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             for name in BACKENDS:
                 self.start_service(name)
             await self.wait_bound(BACKENDS, timeout_s)
             self.start_service("gateway")
-            await self.wait_serving(SERVICES, timeout_s)
+            await self.wait_serving(SERVICES, max(deadline - asyncio.get_running_loop().time(), 1.0))
         except BaseException:
             self.stop()
             raise
