@@ -31,8 +31,8 @@ run: model
 	$(VENV)/bin/aiserve run
 
 lint: protos
-	$(VENV)/bin/ruff check aiserve services tests scripts bench
-	$(VENV)/bin/mypy aiserve services
+	$(VENV)/bin/ruff check aiserve services suite tests scripts bench
+	$(VENV)/bin/mypy aiserve services suite
 
 test: model lint
 	$(PY) -m pytest -q -p no:cacheprovider tests

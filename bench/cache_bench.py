@@ -28,12 +28,12 @@ import numpy as np
 
 from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
-from aiserve.suite import Suite, SuiteConfig
 from services.cache.calibrate import ScoredPair, load_pairs, score_pairs
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder
 from services.cache.exact import CacheScope
 from services.cache.semantic import MatchRule, SemanticCache
+from suite.runner import Suite, SuiteConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCOPE = CacheScope(model="smollm2-135m-instruct@0.1.2", tenant="bench", params="greedy")

@@ -39,7 +39,6 @@ from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
 from aiserve.model_facts import read_model_facts
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
-from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from bench.cache_bench import machine, percentiles
 from services.inference.batch_engine import BatchEngine
@@ -47,6 +46,7 @@ from services.inference.config import InferenceConfig
 from services.inference.engine_build import build_engine
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import run_in_fresh_thread
+from suite.runner import Suite, SuiteConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TOPICS = ["rivers", "mountains", "the ocean", "volcanoes", "forests", "deserts", "the moon", "glaciers",

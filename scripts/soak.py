@@ -22,8 +22,8 @@ from pathlib import Path
 from grpc import aio
 
 from aiserve.common.paths import model_store_path
-from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
+from suite.runner import Suite, SuiteConfig
 
 WARM_UP = 100
 TOLERANCE = 0.05

@@ -1,4 +1,4 @@
-"""Settings loading, the same for every service (DESIGN.md §3).
+"""Settings loading, the same for every service (docs/architecture.md, "Settings").
 
 Order, later wins: the dataclass defaults, an optional TOML file (``--config`` or
 ``AISERVE_CONFIG``; a ``[<service>]`` table, or top-level keys), environment variables
@@ -149,17 +149,23 @@ class ServiceConfig:
     host: str = "127.0.0.1"
     """Address to listen on. The gateway's compose service sets 0.0.0.0."""
     port: int = 0
-    """gRPC port; 0 binds a free port (tests). Each service sets its DESIGN.md default."""
+    """gRPC port; 0 binds a free port (tests). Each service declares its own default."""
     metrics_port: int = 0
     """Prometheus HTTP port; 0 disables the metrics endpoint."""
     log_level: str = "info"
     """debug, info, warning or error."""
     grace_s: float = 10.0
     """Seconds in-flight RPCs get to finish after SIGTERM."""
+    announce_fd: int = -1
+    """A file descriptor the service writes its bound gRPC port to, one line, once it listens,
+    then closes; -1 = none. The suite runner starts services on port 0 and learns their ports
+    this way (no free-port guess that another process could take first)."""
 
     def validate(self) -> None:
+        require(bool(self.host.strip()), "host: must not be empty")
         require(0 <= self.port <= 65535, f"port: must be 0..65535, got {self.port}")
         require(0 <= self.metrics_port <= 65535, f"metrics_port: must be 0..65535, got {self.metrics_port}")
         require(self.log_level in {"debug", "info", "warning", "error"},
                 f"log_level: must be debug|info|warning|error, got {self.log_level!r}")
         require(0 <= self.grace_s <= 600, f"grace_s: must be 0..600 seconds, got {self.grace_s}")
+        require(self.announce_fd >= -1, f"announce_fd: must be a file descriptor or -1, got {self.announce_fd}")

@@ -8,6 +8,7 @@ back to NOT_SERVING on SIGTERM/SIGINT, before in-flight RPCs get ``grace_s`` to 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -102,6 +103,21 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
     return ServiceHandle(name, server, health_servicer, bound, tuple(service_names), registry, rpc_metrics)
 
 
+def announce_port(fd: int, port: int) -> None:
+    """Write ``port`` as one line to the file descriptor ``fd`` and close it (``fd`` -1: nothing).
+
+    The suite runner passes the write end of a pipe (setting ``announce_fd``) to a service it
+    starts on port 0 and reads the port the service bound from the other end; end-of-file
+    without a line tells it the service exited before it listened.
+    """
+    if fd < 0:
+        return
+    try:
+        os.write(fd, f"{port}\n".encode())
+    finally:
+        os.close(fd)
+
+
 def start_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1") -> None:
     """A server's Prometheus metrics over HTTP (port 0 = disabled)."""
     if port:
@@ -112,13 +128,16 @@ async def serve(
     handle: ServiceHandle,
     grace_s: float,
     warmup: Callable[[], Awaitable[None]] | None = None,
+    announce_fd: int = -1,
 ) -> None:
-    """Start, warm up, report SERVING, and run until SIGTERM/SIGINT; then stop gracefully."""
+    """Start, announce the bound port (``announce_port``), warm up, report SERVING, and run
+    until SIGTERM/SIGINT; then stop gracefully."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await handle.start()
+    announce_port(announce_fd, handle.port)
     if warmup is not None:
         await warmup()
     await handle.set_serving(True)
@@ -159,12 +178,15 @@ def run_service(
     prepare: Callable[[ConfigT], None] | None = None,
 ) -> None:
     """The ``main()`` every service shares: settings, JSON logging, ``prepare`` (e.g. torch
-    threads), metrics, then serve until SIGTERM/SIGINT. Bad settings or a model the store
-    refuses end the process with one clear line on stderr and exit code 2."""
+    threads), metrics, then serve (announcing the bound port to ``announce_fd``) until
+    SIGTERM/SIGINT. Bad settings or a model the store refuses end the process with one clear
+    line on stderr and exit code 2."""
     from aiserve.common.config import ConfigError, load_config
     from aiserve.common.logging import configure_logging
+    from aiserve.common.progress import quiet_library_bars
     from aiserve.store import ModelStoreError
 
+    quiet_library_bars()  # the log is JSON lines: no library progress bars in it
     try:
         config = load_config(config_cls, name, sys.argv[1:] if argv is None else argv)
     except ConfigError as exc:
@@ -177,7 +199,7 @@ def run_service(
     async def run() -> None:
         handle = await create(config)
         start_metrics(handle.registry, config.metrics_port, config.host)  # type: ignore[attr-defined]
-        await serve(handle, config.grace_s)  # type: ignore[attr-defined]
+        await serve(handle, config.grace_s, announce_fd=config.announce_fd)  # type: ignore[attr-defined]
 
     try:
         asyncio.run(run())

@@ -1,11 +1,13 @@
-"""The usage ledger: one row per generation request, whatever its outcome (source §6.1).
+"""The usage ledger: one row per generation request, whatever its outcome (docs/gateway.md).
 
 SQLite in WAL mode with ``synchronous=FULL``: a committed row survives a killed process and a
-power cut. One writer thread owns the writing connection and commits whatever rows are
-waiting in one transaction (group commit: one fsync for many rows under load); ``record``
-returns when the row is durable, so the gateway can send a request's final message only after
-its row is committed. Reads open their own connection (WAL readers never block the writer).
-No grpc, no pb.
+power cut. ``Ledger`` is the gateway's writer: one writer thread owns the writing connection and
+commits whatever rows are waiting in one transaction (group commit: one fsync for many rows
+under load); ``record`` returns when the row is durable, so the gateway can send a request's
+final message only after its row is committed. ``LedgerReader`` answers the queries (totals,
+buckets, rows, find, spent) over read-only connections: the writer uses it for its own reads
+(WAL readers never block the writer), and the ``aiserve usage`` report opens it alone, which
+creates nothing, runs no DDL and starts no thread. No grpc, no pb.
 """
 
 from __future__ import annotations
@@ -120,17 +122,78 @@ def connect(path: Path) -> sqlite3.Connection:
     return db
 
 
+class LedgerMissingError(FileNotFoundError):
+    """There is no ledger file where one was expected (the gateway creates it on its first start)."""
+
+
+class LedgerReader:
+    """Read-only queries over a ledger file, from any thread (each opens its own connection).
+
+    Connections are opened with ``mode=ro``: a reader never creates the file, never changes its
+    bytes and runs no DDL (SQLite may add the WAL's ``-shm``/``-wal`` side files, as any reader
+    of a WAL database does).
+    """
+
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise LedgerMissingError(f"no usage ledger at {path} (the gateway writes it)")
+        self.path = path
+
+    def query(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
+        """Rows of one read-only statement."""
+        db = sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=10)
+        try:
+            return db.execute(sql, params).fetchall()
+        finally:
+            db.close()
+
+    def totals(self, tenant: str, since_ms: int | None = None, until_ms: int | None = None) -> Totals:
+        """One tenant's totals over ``[since_ms, until_ms)`` (either end open when None)."""
+        where, params = _period(tenant, since_ms, until_ms)
+        (row,) = self.query(
+            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
+            f"COALESCE(SUM(cost_micros), 0) FROM usage WHERE {where}", params)
+        return Totals(*row)
+
+    def buckets(self, tenant: str | None, since_ms: int | None = None, until_ms: int | None = None) -> list[Bucket]:
+        """Totals by tenant, UTC day and model, ascending (one tenant's, or every tenant's)."""
+        where, params = _period(tenant, since_ms, until_ms)
+        rows = self.query(
+            "SELECT tenant, day, model, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cost_micros) "
+            f"FROM usage WHERE {where} GROUP BY tenant, day, model ORDER BY tenant, day, model", params)
+        return [Bucket(day, model, Totals(*sums), name) for name, day, model, *sums in rows]
+
+    def spent(self, tenant: str, since_ms: int) -> int:
+        """Micros the tenant was billed since ``since_ms`` (what a budget counts)."""
+        return self.totals(tenant, since_ms).cost_micros
+
+    def find(self, tenant: str, request_id: str) -> UsageRow | None:
+        """The tenant's latest row with this request id; another tenant's rows are invisible."""
+        rows = self.query(
+            f"SELECT {', '.join(COLUMNS)} FROM usage WHERE tenant = ? AND request_id = ? ORDER BY id DESC LIMIT 1",
+            (tenant, request_id))
+        return _row(rows[0]) if rows else None
+
+    def rows(self, tenant: str | None = None, since_ms: int | None = None,
+             until_ms: int | None = None) -> list[UsageRow]:
+        """Every row of the period (one tenant's or all), oldest first (the CSV export)."""
+        where, params = _period(tenant, since_ms, until_ms)
+        return [_row(r) for r in self.query(f"SELECT {', '.join(COLUMNS)} FROM usage WHERE {where} ORDER BY id",
+                                            params)]
+
+
 _Write = tuple[str, tuple[Any, ...], "Future[None]"]
 
 
-class Ledger:
-    """Durable usage rows and feedback rows, written by one thread with group commit."""
+class Ledger(LedgerReader):
+    """Durable usage rows and feedback rows, written by one thread with group commit; the
+    queries are ``LedgerReader``'s."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
         self._db = connect(path)
         self._db.executescript(_SCHEMA)
+        super().__init__(path)
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="ledger-writer", daemon=True)
         self._thread.start()
@@ -190,48 +253,6 @@ class Ledger:
         for _, _, done in batch:
             if done.set_running_or_notify_cancel():  # False: nobody waits for it any more
                 done.set_result(None)
-
-    # --- reads (any thread; each opens its own connection) -------------------------------------
-
-    def query(self, sql: str, params: tuple[Any, ...]) -> list[tuple[Any, ...]]:
-        db = connect(self.path)
-        try:
-            return db.execute(sql, params).fetchall()
-        finally:
-            db.close()
-
-    def totals(self, tenant: str, since_ms: int | None = None, until_ms: int | None = None) -> Totals:
-        where, params = _period(tenant, since_ms, until_ms)
-        (row,) = self.query(
-            "SELECT COUNT(*), COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0), "
-            f"COALESCE(SUM(cost_micros), 0) FROM usage WHERE {where}", params)
-        return Totals(*row)
-
-    def buckets(self, tenant: str | None, since_ms: int | None = None, until_ms: int | None = None) -> list[Bucket]:
-        """Totals by tenant, UTC day and model, ascending (one tenant's, or every tenant's)."""
-        where, params = _period(tenant, since_ms, until_ms)
-        rows = self.query(
-            "SELECT tenant, day, model, COUNT(*), SUM(prompt_tokens), SUM(completion_tokens), SUM(cost_micros) "
-            f"FROM usage WHERE {where} GROUP BY tenant, day, model ORDER BY tenant, day, model", params)
-        return [Bucket(day, model, Totals(*sums), name) for name, day, model, *sums in rows]
-
-    def spent(self, tenant: str, since_ms: int) -> int:
-        """Micros the tenant was billed since ``since_ms`` (what a budget counts)."""
-        return self.totals(tenant, since_ms).cost_micros
-
-    def find(self, tenant: str, request_id: str) -> UsageRow | None:
-        """The tenant's latest row with this request id; another tenant's rows are invisible."""
-        rows = self.query(
-            f"SELECT {', '.join(COLUMNS)} FROM usage WHERE tenant = ? AND request_id = ? ORDER BY id DESC LIMIT 1",
-            (tenant, request_id))
-        return _row(rows[0]) if rows else None
-
-    def rows(self, tenant: str | None = None, since_ms: int | None = None,
-             until_ms: int | None = None) -> list[UsageRow]:
-        """Every row of the period (one tenant's or all), oldest first (the CSV export)."""
-        where, params = _period(tenant, since_ms, until_ms)
-        return [_row(r) for r in self.query(f"SELECT {', '.join(COLUMNS)} FROM usage WHERE {where} ORDER BY id",
-                                            params)]
 
 
 def _row(values: tuple[Any, ...]) -> UsageRow:

@@ -13,7 +13,7 @@ class TokenizerConfig(ServiceConfig):
     """Tokenizer service: text <-> token ids for exactly one model version."""
 
     port: int = 50052
-    """gRPC port (DESIGN.md §1); 0 binds a free port."""
+    """gRPC port (docs/architecture.md lists each service's); 0 binds a free port."""
     metrics_port: int = 9102
     """Prometheus HTTP port; 0 disables the metrics endpoint."""
     model: str = DEFAULT_MODEL_REF

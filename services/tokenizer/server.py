@@ -1,4 +1,4 @@
-"""The tokenizer's gRPC servicer, ``create_server`` and ``main`` (DESIGN.md §1, §3).
+"""The tokenizer's gRPC servicer, ``create_server`` and ``main`` (docs/architecture.md).
 
 Each RPC is thin: validate -> convert pb to domain values -> call ``ModelTokenizer`` ->
 convert back. pb types never leave this module. Inputs larger than ``_THREAD_MIN_CHARS``
@@ -69,6 +69,11 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
 
     def __init__(self, tokenizer: ModelTokenizer) -> None:
         self._tokenizer = tokenizer
+
+    @property
+    def tokenizer(self) -> ModelTokenizer:
+        """The model tokenizer every call uses."""
+        return self._tokenizer
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
@@ -199,11 +204,11 @@ async def create_server(config: TokenizerConfig) -> ServiceHandle:
     """
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
     handle = new_server("tokenizer", [SERVICE_NAME], config.host, config.port)
-    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(TokenizerServicer(tokenizer), handle.server)
+    handle.servicer = servicer = TokenizerServicer(tokenizer)
+    tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, handle.server)
     log.info("tokenizer_loaded", model=tokenizer.info.model, vocab_size=tokenizer.vocab_size,
              tokenizer_sha256=tokenizer.info.tokenizer_sha256)
     return handle
-
 
 
 def main(argv: list[str] | None = None) -> None:

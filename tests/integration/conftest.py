@@ -1,4 +1,4 @@
-"""The four real services on free ports, with the real model, for the integration tests."""
+"""The four real services on ports they bind themselves, with the real model, for the integration tests."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ import pytest
 
 from aiserve.common.paths import KEYS_FILE, LEDGER_FILE
 from aiserve.store import ModelStore
-from aiserve.suite import Suite, SuiteConfig
-from services.gateway.ledger import Ledger, UsageRow
+from services.gateway.ledger import LedgerReader, UsageRow
 from services.gateway.tenants import KeyStore, Tenant
+from suite.runner import Suite, SuiteConfig
 
 
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterator[Suite]:
     config = SuiteConfig.for_tests(tmp_path_factory.mktemp("aiserve-home"))
     config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
-    # float32: greedy answers are then reproducible across batch compositions (source §7.2).
+    # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
     config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
     config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = str(SUITE_MAX_NUM_SEQS)
     yield from _run_suite(config)
@@ -88,18 +88,17 @@ def create_tenant(home: Path, prefix: str, tier: str = "free", **limits: int) ->
 
 
 def ledger_rows(home: Path, tenant: str | None = None) -> list[UsageRow]:
-    """The committed usage rows, read straight from the suite's SQLite ledger."""
-    ledger = Ledger(home / LEDGER_FILE)
-    try:
-        return ledger.rows(tenant)
-    finally:
-        ledger.close()
+    """The committed usage rows, read straight from the suite's SQLite ledger (read-only)."""
+    return LedgerReader(home / LEDGER_FILE).rows(tenant)
 
 
 async def eventually(condition: Callable[[], bool], timeout_s: float = 30, what: str = "condition") -> None:
-    """Wait until ``condition()`` holds (a row or log line another process writes), checking every
-    50 ms up to ``timeout_s``: for effects no event announces to the test (e.g. a server noticing
-    a client's cancel)."""
+    """Wait until ``condition()`` holds, checking every 50 ms up to ``timeout_s``.
+
+    Only for what no event announces to the test: how a server process reacts to a client that
+    cancelled or whose deadline passed (the client has gone, so no answer can carry it; the log
+    line of the ended call and its ledger row appear some time later). Where an answer can carry
+    the effect, wait for that answer instead (e.g. ``rows_committed`` in test_tenants.py)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition():
         if asyncio.get_running_loop().time() > deadline:

@@ -1,24 +1,34 @@
-"""Continuous batching in the real suite: exactness under concurrency, a responsive event loop
-with a full batch, and cancellation that frees KV within a step (checked through Stats)."""
+"""Continuous batching in the real suite: exactness under concurrency, a server that answers and
+admits while its batch is full, and cancellation that frees a sequence's KV while the batch runs
+on (checked through Stats, counted in engine steps, never in wall-clock time). That the engine
+drops a cancelled sequence within exactly one step is a unit test of the engine
+(tests/unit/inference)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from aiserve.suite import Suite
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from suite.runner import Suite
 from tests.integration.conftest import SUITE_MAX_NUM_SEQS, auth, dev_key
 from tests.integration.test_e2e import TIMEOUT_S
 
 NUM_CONCURRENT = 32
 PROMPT = [1, 9690, 198, 19556, 30, 2, 198, 1, 520, 9531, 198]  # system 'Hello.', then the assistant's turn
-RPC_S = 10.0  # deadline of each quick RPC (Stats, Health)
+RPC_S = 30.0  # deadline of each quick RPC (Stats, Health): generous, it is not what is measured
+LONG_TOKENS = 1500
+"""New tokens of each long generation: every sequence needs at least LONG_TOKENS / 3 steps (one
+token and at most two confirmed drafts a step) to finish."""
+STEP_BOUND = 100
+"""Engine steps within which the server must answer, admit or drop a sequence while its batch
+runs. Far above what a loaded 2-core machine needs (a step of the whole batch per round trip or
+so), and far below the LONG_TOKENS / 3 = 500 steps after which the batch would have finished: a
+server that waits for its batch fails."""
 
 
 def greedy_request(i: int) -> gateway_pb2.GenerateRequest:
@@ -45,7 +55,7 @@ async def test_concurrent_greedy_requests_match_each_alone(suite: Suite) -> None
     assert len({tuple(ids) for ids in together}) > 1  # different prompts, different answers
 
 
-def long_request(max_new_tokens: int = 1500) -> inference_pb2.InferenceRequest:
+def long_request(max_new_tokens: int = LONG_TOKENS) -> inference_pb2.InferenceRequest:
     decoding = inference_pb2.Decoding(max_new_tokens=max_new_tokens, ignore_eos=True)
     return inference_pb2.InferenceRequest(prompt_token_ids=PROMPT, decoding=decoding)
 
@@ -54,25 +64,28 @@ async def stats(stub: inference_pb2_grpc.InferenceStub) -> inference_pb2.Inferen
     return await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=RPC_S)
 
 
-async def test_health_and_admission_answer_fast_with_a_full_batch(suite: Suite) -> None:
+async def test_health_and_admission_answer_while_the_batch_is_full(suite: Suite) -> None:
     async with aio.insecure_channel(suite.config.address("inference")) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         calls = [stub.Generate(long_request(), timeout=TIMEOUT_S) for _ in range(SUITE_MAX_NUM_SEQS)]
         extra = None
         try:
             await asyncio.gather(*(call.read() for call in calls))  # every slot holds a long generation
-            assert (await stats(stub)).num_running == SUITE_MAX_NUM_SEQS
-            started = time.monotonic()
+            full = await stats(stub)
+            assert full.num_running == SUITE_MAX_NUM_SEQS
             reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=RPC_S)
-            health_ms = (time.monotonic() - started) * 1000
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
-            assert health_ms < 100, f"Health.Check took {health_ms:.0f} ms with a full batch"
-            started = time.monotonic()
+            after = await stats(stub)
+            assert after.num_running == SUITE_MAX_NUM_SEQS, "Health.Check waited for the batch to end"
+            assert after.num_steps - full.num_steps < STEP_BOUND, "Health.Check waited for the batch"
             extra = stub.Generate(long_request(4), timeout=TIMEOUT_S)
-            while (await stats(stub)).num_waiting < 1:  # accepted and queued: no slot is free
-                assert time.monotonic() - started < RPC_S, "the new request was never queued"
-            admit_ms = (time.monotonic() - started) * 1000
-            assert admit_ms < 100, f"admission took {admit_ms:.0f} ms with a full batch"
+            await extra.initial_metadata()  # the server has the call
+            # Queued: no slot is free. Nothing tells a client that its call waits, so ask Stats
+            # (each question is a round trip, no sleeps) and count the steps it took.
+            while (after := await stats(stub)).num_waiting < 1:
+                assert after.num_steps - full.num_steps < STEP_BOUND, "the new request was never queued"
+            assert after.num_running == SUITE_MAX_NUM_SEQS
+            assert after.num_steps - full.num_steps < STEP_BOUND, "admission waited for the batch"
         finally:
             for call in [*calls, extra]:
                 if call is not None:
@@ -88,7 +101,7 @@ def slot_bytes(suite: Suite, info: inference_pb2.InferenceInfo) -> int:
     return info.context_length * per_token
 
 
-async def test_cancelling_a_stream_frees_its_kv_within_a_step(suite: Suite) -> None:
+async def test_cancelling_a_stream_frees_its_kv_while_the_batch_runs_on(suite: Suite) -> None:
     async with aio.insecure_channel(suite.config.address("inference")) as channel:
         stub = inference_pb2_grpc.InferenceStub(channel)
         info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=RPC_S)
@@ -98,11 +111,11 @@ async def test_cancelling_a_stream_frees_its_kv_within_a_step(suite: Suite) -> N
             before = await stats(stub)
             assert before.num_running == 2
             dropped.cancel()
-            after = await stats(stub)
-            while after.num_running != 1:  # the server sees the cancel, then the engine's next step drops it
-                assert after.num_steps - before.num_steps <= 3, "the cancelled sequence stayed in the batch"
-                after = await stats(stub)
-            assert after.num_steps - before.num_steps <= 3  # one step in flight, the next one frees it
+            # The server sees the cancel a round trip later, the engine drops the sequence at its
+            # next step: ask Stats (a round trip each, no sleeps) and count the steps it took.
+            while (after := await stats(stub)).num_running != 1:
+                assert after.num_steps - before.num_steps < STEP_BOUND, "the cancelled sequence stayed in the batch"
+            assert after.num_steps - before.num_steps < STEP_BOUND
             assert before.kv_used_bytes - after.kv_used_bytes == slot_bytes(suite, info)
             assert (await kept.read()).token_ids  # the other sequence goes on
         finally:

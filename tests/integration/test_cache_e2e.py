@@ -8,8 +8,8 @@ from __future__ import annotations
 import grpc
 from grpc import aio
 
-from aiserve.suite import Suite
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
+from suite.runner import Suite
 from tests.integration.conftest import auth, create_tenant, dev_key
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, stream
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from grpc import aio
 
-from aiserve.suite import Suite
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from suite.runner import Suite
 from tests.integration.conftest import auth, dev_key, log_records, new_request_id
 
 TIMEOUT_S = 120

@@ -1,4 +1,4 @@
-"""Each bad input of DESIGN.md §4 that applies at this stage gets its code, and the suite keeps serving."""
+"""Each bad input gets its status code (docs/architecture.md, "Status codes"), and the suite keeps serving."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from grpc import aio
 
 from aiserve.common.server import wait_for_serving
 from aiserve.store import ModelRef, ModelStore
-from aiserve.suite import Suite, SuiteConfig
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_server
+from suite.runner import Suite, SuiteConfig
 from tests.integration.conftest import auth, dev_key
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, complete
 

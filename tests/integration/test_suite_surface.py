@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from aiserve.suite import SERVICES, Suite
+from suite.runner import SERVICES, Suite
+
+ROOT = Path(__file__).resolve().parents[2]
 
 API = {
     "gateway": "aiserve.v1.Gateway",
@@ -41,7 +44,7 @@ def test_chat_cli_streams_and_reports_request_id_tokens_and_timings(suite: Suite
         [
             sys.executable,
             "-m",
-            "aiserve",
+            "suite",
             "chat",
             "What is the capital of France?",
             "--max-new-tokens",
@@ -52,6 +55,7 @@ def test_chat_cli_streams_and_reports_request_id_tokens_and_timings(suite: Suite
         capture_output=True,
         text=True,
         timeout=180,
+        cwd=ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1", "AISERVE_HOME": str(suite.config.home)},  # reads its dev.key
     )
     assert result.returncode == 0, result.stderr

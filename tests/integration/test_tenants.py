@@ -15,14 +15,13 @@ import grpc
 import pytest
 from grpc import aio
 
-from aiserve.suite import Suite
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
+from suite.runner import Suite
 from tests.integration.conftest import (
     auth,
     create_tenant,
     dev_key,
-    eventually,
     ledger_rows,
     log_records,
     new_request_id,
@@ -30,6 +29,8 @@ from tests.integration.conftest import (
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, complete, stream
 
 MODEL = "smollm2-135m-instruct@0.1.2"
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root: ``python -m suite`` runs the command line from the checkout."""
 
 
 async def rpc_error(call: object) -> grpc.RpcError:
@@ -54,9 +55,9 @@ async def test_missing_unknown_and_revoked_keys_are_unauthenticated_and_recorded
     tenant, key = create_tenant(suite.config.home, "revoked")
     request = chat_request("Say hi.", max_new_tokens=2, cache=gateway_pb2.CACHE_POLICY_BYPASS)
     assert (await complete(suite, request, key=key)).usage.completion_tokens > 0
-    revoke = [sys.executable, "-m", "aiserve", "keys", "revoke", key.split("_")[1], "--home", str(suite.config.home)]
+    revoke = [sys.executable, "-m", "suite", "keys", "revoke", key.split("_")[1], "--home", str(suite.config.home)]
     # Revoked with the operator command while the gateway runs: its next call with the key fails.
-    await asyncio.to_thread(subprocess.run, revoke, check=True, capture_output=True, timeout=60)
+    await asyncio.to_thread(subprocess.run, revoke, check=True, capture_output=True, timeout=60, cwd=ROOT)
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         rid = new_request_id()
@@ -64,12 +65,20 @@ async def test_missing_unknown_and_revoked_keys_are_unauthenticated_and_recorded
             error = await rpc_error(stub.Complete(request, metadata=(*metadata, ("x-request-id", rid)), timeout=30))
             assert error.code() == grpc.StatusCode.UNAUTHENTICATED, error.details()
             assert "authorization" in error.details()
-    def refused() -> list[tuple[str, str, int]]:
-        return [(r.tenant, r.status, r.cost_micros) for r in ledger_rows(suite.config.home) if r.request_id == rid]
+    await rows_committed(suite)
+    refused = [(r.tenant, r.status, r.cost_micros) for r in ledger_rows(suite.config.home) if r.request_id == rid]
+    assert refused == [("", "UNAUTHENTICATED", 0)] * 3
 
-    # A refusal's row is queued for the ledger, not awaited before the status (it costs nothing).
-    await eventually(lambda: len(refused()) >= 3, what="the three refusals in the ledger")
-    assert refused() == [("", "UNAUTHENTICATED", 0)] * 3
+
+async def rows_committed(suite: Suite) -> None:
+    """Return once every row the gateway queued before this call is committed.
+
+    A refused call's row is queued for the ledger before its status is sent, not awaited (it
+    costs nothing). The ledger's one writer commits rows in the order they were queued, and the
+    row of an answered request is committed before its last message is sent: so when one more
+    answer arrives, every row queued before it is committed. An event, not a polling loop."""
+    request = chat_request("Say ok.", max_new_tokens=1, cache=gateway_pb2.CACHE_POLICY_BYPASS)
+    await complete(suite, request)
 
 
 async def test_requests_per_minute_reject_exactly_the_first_request_over_the_limit(suite: Suite) -> None:
@@ -213,8 +222,8 @@ def test_keys_and_usage_commands(suite: Suite, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def aiserve(*args: str) -> str:
-        command = [sys.executable, "-m", "aiserve", *args, "--home", home]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+        command = [sys.executable, "-m", "suite", *args, "--home", home]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
         assert result.returncode == 0, result.stderr
         return result.stdout
 

@@ -23,11 +23,13 @@ import yaml
 from aiserve import healthprobe
 from aiserve.common.server import ServiceHandle, new_server
 from aiserve.store import DEFAULT_MODEL
+from suite.runner import DEFAULT_PORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("tokenizer", "inference", "cache")
 LONG_RUNNING = (*BACKENDS, "gateway")
-PORTS = {"gateway": 50051, "tokenizer": 50052, "inference": 50053, "cache": 50054}
+PORTS = DEFAULT_PORTS
+"""Compose runs each service on its own default port (its config class declares it)."""
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -9,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore, ModelStoreError, import_folder
+from aiserve.store import (
+    DEFAULT_MODEL_REF,
+    PULL_STAGES,
+    ModelRef,
+    ModelStore,
+    ModelStoreError,
+    import_folder,
+    stage_progress,
+)
 
 
 @pytest.mark.parametrize("text", ["a", "a@", "@1", "a/b@1", "../x@1"])
@@ -70,3 +79,16 @@ def test_import_refuses_a_non_llama_family_model(tmp_path: Path, store: ModelSto
     (source / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelStoreError, match="not Llama-family"):
         import_folder(ModelStore(tmp_path / "store"), source, ModelRef("x", "1"))
+
+
+def test_pull_progress_is_one_line_per_stage_when_not_on_a_terminal() -> None:
+    out = io.StringIO()  # a log file or a pipe: not a terminal
+    advance = stage_progress(PULL_STAGES, file=out)
+    for stage in PULL_STAGES:
+        advance(stage)
+    text = out.getvalue()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert len(lines) == len(PULL_STAGES)
+    for number, (line, stage) in enumerate(zip(lines, PULL_STAGES, strict=True), start=1):
+        assert line.startswith(f"models pull: {number}/{len(PULL_STAGES)} {stage} ("), line

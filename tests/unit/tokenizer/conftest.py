@@ -1,13 +1,27 @@
-"""Fixtures of the tokenizer tests: the real model's tokenizer and a multilingual corpus."""
+"""Fixtures of the tokenizer tests: the real model's tokenizer, a multilingual corpus, and the
+service on a real gRPC socket."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
+from grpc import aio
 
+from aiserve.common.server import ServiceHandle
 from aiserve.store import Manifest, ModelStore
+from aiserve.v1 import tokenizer_pb2_grpc
+from services.tokenizer.config import TokenizerConfig
+from services.tokenizer.server import create_server
 from services.tokenizer.tokenizer import ModelTokenizer
+
+TIMEOUT_S = 10.0
+"""Deadline of each call to the service under test."""
+MODEL = "smollm2-135m-instruct@0.1.2"
+CHINESE = "你好，世界！我们去公园散步吧。🙂"
+Stub = tokenizer_pb2_grpc.TokenizerStub
 
 # Text that stresses byte-level BPE: scripts, multi-byte characters, emoji sequences, code,
 # whitespace runs and literal special-token text.
@@ -56,3 +70,22 @@ def corpus_text(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(params=WIDE, ids=str)
 def wide_text(request: pytest.FixtureRequest) -> str:
     return CORPUS[request.param]
+
+
+# One server per test module (and its event loop): loading verifies ~0.5 GB of model hashes.
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def server(store: ModelStore) -> AsyncIterator[ServiceHandle]:
+    config = TokenizerConfig(port=0, metrics_port=0, model_store=str(store.root))
+    handle = await create_server(config)
+    try:
+        await handle.start()
+        await handle.set_serving(True)
+        yield handle
+    finally:
+        await handle.stop(0)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def stub(server: ServiceHandle) -> AsyncIterator[Stub]:
+    async with aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        yield tokenizer_pb2_grpc.TokenizerStub(channel)

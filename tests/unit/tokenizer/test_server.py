@@ -1,4 +1,5 @@
-"""The tokenizer service over real gRPC sockets: every RPC, its errors, metadata and start-up."""
+"""The tokenizer service over real gRPC sockets: the unary RPCs, their errors, metadata and start-up
+(the streaming RPCs: test_server_streams.py)."""
 
 from __future__ import annotations
 
@@ -6,47 +7,26 @@ import asyncio
 import json
 import os
 import sys
-from collections.abc import AsyncIterator
+import threading
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
 from grpc import aio
 
 from aiserve.common.server import ServiceHandle, wait_for_serving
 from aiserve.store import ModelStore, ModelStoreError
-from aiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from aiserve.v1 import common_pb2, tokenizer_pb2
 from services.tokenizer.config import TokenizerConfig
-from services.tokenizer.server import create_server
+from services.tokenizer.server import TokenizerServicer, create_server
 from services.tokenizer.tokenizer import ChatMessage, ModelTokenizer
+from suite.process import read_announced_port
+from tests.unit.tokenizer.conftest import CHINESE, MODEL, TIMEOUT_S, Stub
 
-# One server (and one event loop) for the module: loading verifies ~0.5 GB of model hashes.
+# One server (conftest.py) and one event loop for the module.
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-TIMEOUT_S = 10.0
-MODEL = "smollm2-135m-instruct@0.1.2"
-CHINESE = "你好，世界！我们去公园散步吧。🙂"
 REPO_ROOT = Path(__file__).resolve().parents[3]
-Stub = tokenizer_pb2_grpc.TokenizerStub
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def server(store: ModelStore) -> AsyncIterator[ServiceHandle]:
-    config = TokenizerConfig(port=0, metrics_port=0, model_store=str(store.root))
-    handle = await create_server(config)
-    try:
-        await handle.start()
-        await handle.set_serving(True)
-        yield handle
-    finally:
-        await handle.stop(0)
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def stub(server: ServiceHandle) -> AsyncIterator[Stub]:
-    async with aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        yield tokenizer_pb2_grpc.TokenizerStub(channel)
 
 
 def _messages(*turns: tuple[str, str]) -> list[common_pb2.Message]:
@@ -76,11 +56,48 @@ async def test_tokenize_and_detokenize(stub: Stub, tokenizer: ModelTokenizer) ->
     assert (await stub.Detokenize(wrapped, timeout=TIMEOUT_S)).text == CHINESE
 
 
-async def test_large_input_runs_off_the_event_loop(stub: Stub, tokenizer: ModelTokenizer) -> None:
+class _RecordingTokenizer:
+    """Stands in for the servicer's tokenizer: records the thread of each ``encode`` and holds a
+    large one until released, so a test can see what the event loop does meanwhile."""
+
+    def __init__(self, real: ModelTokenizer) -> None:
+        self._real = real
+        self.threads: list[int] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+    def encode(self, text: str, add_special_tokens: bool = False, field: str = "text") -> list[int]:
+        self.threads.append(threading.get_ident())
+        if len(text) > 10_000:
+            self.entered.set()
+            self.release.wait(TIMEOUT_S)
+        return self._real.encode(text, add_special_tokens, field)
+
+
+async def test_large_input_runs_off_the_event_loop(server: ServiceHandle, stub: Stub, tokenizer: ModelTokenizer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    servicer = server.servicer
+    assert isinstance(servicer, TokenizerServicer)
+    recorder = _RecordingTokenizer(servicer.tokenizer)
+    monkeypatch.setattr(servicer, "_tokenizer", recorder)
+    loop_thread = threading.get_ident()  # the server runs on this test's event loop
+    await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text="A short text."), timeout=TIMEOUT_S)
+    assert recorder.threads == [loop_thread]  # small inputs are tokenized inline
+
     text = "Long inputs leave the event loop. " * 1000  # > 10k characters: worker thread
-    reply = await stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=TIMEOUT_S)
-    assert list(reply.token_ids) == tokenizer.encode(text)
-    back = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=reply.token_ids),
+    large = asyncio.ensure_future(stub.Tokenize(tokenizer_pb2.TokenizeRequest(text=text), timeout=TIMEOUT_S))
+    try:
+        assert await asyncio.to_thread(recorder.entered.wait, TIMEOUT_S), "the large call never reached encode"
+        # While encode is held, the event loop still answers another call.
+        info = await stub.Info(tokenizer_pb2.TokenizerInfoRequest(), timeout=TIMEOUT_S)
+        assert info.model == MODEL and not large.done()
+    finally:
+        recorder.release.set()
+    assert list((await large).token_ids) == tokenizer.encode(text)
+    assert recorder.threads[1] != loop_thread
+    back = await stub.Detokenize(tokenizer_pb2.DetokenizeRequest(token_ids=(await large).token_ids),
                                  timeout=TIMEOUT_S)
     assert back.text == text
 
@@ -121,117 +138,6 @@ async def test_request_id_is_echoed(stub: Stub) -> None:
                      metadata=(("x-request-id", "req-abc-123"),), timeout=TIMEOUT_S)
     await call
     assert ("x-request-id", "req-abc-123") in list(await call.initial_metadata())
-
-
-async def test_detokenize_stream_one_id_per_message(stub: Stub, tokenizer: ModelTokenizer) -> None:
-    ids = tokenizer.encode(CHINESE)
-    call = stub.DetokenizeStream(timeout=TIMEOUT_S)
-    deltas = []
-    for token_id in ids:
-        await call.write(tokenizer_pb2.DetokenizeStreamRequest(token_ids=[token_id]))
-        deltas.append((await call.read()).text_delta)  # exactly one answer per message
-    await call.done_writing()
-    final = await call.read()
-    assert await call.read() == aio.EOF
-    assert final.text_delta == ""  # always sent, empty here: the text was complete
-    assert "".join(deltas) == CHINESE
-    assert all("\ufffd" not in delta for delta in deltas)
-    assert await call.code() == grpc.StatusCode.OK
-
-
-async def test_detokenize_stream_sends_the_rest_on_close(stub: Stub,
-                                                         tokenizer: ModelTokenizer) -> None:
-    ids = tokenizer.encode("你")[:1]  # the first byte of a 3-byte character
-    requests = [tokenizer_pb2.DetokenizeStreamRequest(token_ids=ids)]
-    replies = [r.text_delta async for r in stub.DetokenizeStream(iter(requests),
-                                                                  timeout=TIMEOUT_S)]
-    assert replies == ["", "\ufffd"]
-    empty = [r.text_delta async for r in stub.DetokenizeStream(iter([]), timeout=TIMEOUT_S)]
-    assert empty == [""]
-
-
-async def test_detokenize_stream_bad_id(stub: Stub) -> None:
-    requests = [tokenizer_pb2.DetokenizeStreamRequest(token_ids=[5]),
-                tokenizer_pb2.DetokenizeStreamRequest(token_ids=[49152])]
-    call = stub.DetokenizeStream(iter(requests), timeout=TIMEOUT_S)
-    with pytest.raises(aio.AioRpcError) as info:
-        _ = [r async for r in call]
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "token_ids[0]: 49152 is outside [0, 49152)" in (info.value.details() or "")
-
-
-def _item(stream: int, *ids: int, start: bool = False, end: bool = False,
-          cancel: bool = False) -> tokenizer_pb2.DetokenizeMuxItem:
-    return tokenizer_pb2.DetokenizeMuxItem(stream=stream, token_ids=ids, start=start, end=end, cancel=cancel,
-                                           skip_special_tokens=start)
-
-
-async def _mux(call: aio.StreamStreamCall, *items: tokenizer_pb2.DetokenizeMuxItem,
-               ) -> list[tokenizer_pb2.DetokenizeMuxDelta]:
-    await call.write(tokenizer_pb2.DetokenizeMuxRequest(items=items))
-    return list((await call.read()).deltas)  # type: ignore[union-attr]
-
-
-async def test_detokenize_mux_interleaves_generations(stub: Stub, tokenizer: ModelTokenizer) -> None:
-    """Two generations in the same messages (one id each per message, as engine steps make
-    them) come out exactly as each alone, with no broken character, one delta per item."""
-    texts = {7: CHINESE, 9: "Hello, wide world! 🙂"}
-    ids = {s: tokenizer.encode(t) for s, t in texts.items()}
-    call = stub.DetokenizeMux(timeout=TIMEOUT_S)
-    out: dict[int, list[str]] = {7: [], 9: []}
-    for step in range(max(len(v) for v in ids.values())):
-        items = [_item(s, v[step], start=step == 0) for s, v in ids.items() if step < len(v)]
-        deltas = await _mux(call, *items)
-        assert [d.stream for d in deltas] == [i.stream for i in items]
-        for d in deltas:
-            assert d.code == 0 and "\ufffd" not in d.text_delta
-            out[d.stream].append(d.text_delta)
-    for d in await _mux(call, _item(7, end=True), _item(9, end=True)):
-        out[d.stream].append(d.text_delta)
-    assert {s: "".join(v) for s, v in out.items()} == texts
-    await call.done_writing()
-    assert await call.read() == aio.EOF and await call.code() == grpc.StatusCode.OK
-
-
-async def test_detokenize_mux_end_flushes_and_cancel_forgets(stub: Stub, tokenizer: ModelTokenizer) -> None:
-    first_byte = tokenizer.encode("你")[:1]  # the first byte of a 3-byte character: held back
-    call = stub.DetokenizeMux(timeout=TIMEOUT_S)
-    held = await _mux(call, _item(1, *first_byte, start=True), _item(2, *first_byte, start=True))
-    assert [(d.stream, d.text_delta) for d in held] == [(1, ""), (2, "")]
-    # cancel answers nothing and closes the stream; end flushes the held-back byte
-    ended = await _mux(call, _item(2, cancel=True), _item(1, end=True))
-    assert [(d.stream, d.text_delta, d.code) for d in ended] == [(1, "\ufffd", 0)]
-    after = await _mux(call, _item(1, 5), _item(2, 5))
-    assert [d.code for d in after] == [grpc.StatusCode.FAILED_PRECONDITION.value[0]] * 2
-    assert "items[0].stream: 1 is not open" in after[0].message
-    call.cancel()
-
-
-async def test_detokenize_mux_bad_item_fails_only_its_stream(stub: Stub) -> None:
-    call = stub.DetokenizeMux(timeout=TIMEOUT_S)
-    deltas = await _mux(call, _item(1, 5, start=True), _item(2, 5, 49152, start=True), _item(1, start=True))
-    assert deltas[0].code == 0
-    assert deltas[1].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert deltas[1].message == "items[1].token_ids[1]: 49152 is outside [0, 49152)"
-    assert deltas[2].code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-    assert "items[2].stream: 1 is already open" in deltas[2].message
-    # The failed stream is closed, the call goes on (the start of 1 closed stream 1 as well)
-    again = await _mux(call, _item(2, 5, start=True), _item(1, 6, start=True))
-    assert [d.code for d in again] == [0, 0]
-    call.cancel()
-
-
-async def test_detokenize_mux_bounds_open_streams(stub: Stub, monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.tokenizer.server as tokenizer_server
-
-    monkeypatch.setattr(tokenizer_server, "MAX_MUX_STREAMS", 2)
-    call = stub.DetokenizeMux(timeout=TIMEOUT_S)
-    deltas = await _mux(call, *(_item(s, 5, start=True) for s in (1, 2, 3)))
-    assert [d.code for d in deltas] == [0, 0, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
-    assert "items[2].stream: at most 2 streams may be open in one call" in deltas[2].message
-    ended = await _mux(call, _item(1, end=True), _item(3, 5, start=True))  # a closed stream frees a place
-    assert [d.code for d in ended] == [0, 0]
-    call.cancel()
 
 
 async def test_error_codes(stub: Stub) -> None:
@@ -291,13 +197,19 @@ async def test_main_exits_2_on_a_missing_model(tmp_path: Path) -> None:
     assert len(lines) == 1 and "not in the store" in lines[0]
 
 
-async def test_module_serves_until_sigterm(store: ModelStore) -> None:
+async def test_module_announces_its_port_and_serves_until_sigterm(store: ModelStore) -> None:
     env = {**os.environ, "AISERVE_MODEL_STORE": str(store.root)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
-        cwd=REPO_ROOT, env=env, stdout=asyncio.subprocess.PIPE)
+    read_fd, write_fd = os.pipe()
     try:
-        port = await asyncio.wait_for(_serving_port(proc), TIMEOUT_S * 3)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.tokenizer", "--port", "0", "--metrics-port", "0",
+            "--announce-fd", str(write_fd), cwd=REPO_ROOT, env=env, pass_fds=(write_fd,),
+            stdout=asyncio.subprocess.DEVNULL)
+    finally:
+        os.close(write_fd)
+    try:
+        port = await asyncio.wait_for(read_announced_port(read_fd), TIMEOUT_S * 3)
+        assert port, "the service exited before it announced its port"
         await wait_for_serving(f"127.0.0.1:{port}", TIMEOUT_S)
         proc.terminate()
         assert await asyncio.wait_for(proc.wait(), TIMEOUT_S) == 0
@@ -305,13 +217,3 @@ async def test_module_serves_until_sigterm(store: ModelStore) -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-
-
-async def _serving_port(proc: asyncio.subprocess.Process) -> int:
-    """The port from the service's "serving" log line (a JSON object per line on stdout)."""
-    assert proc.stdout is not None
-    async for line in proc.stdout:
-        event = json.loads(line) if line.startswith(b"{") else {}
-        if event.get("event") == "serving":
-            return int(event["port"])
-    raise AssertionError("the service exited before serving")

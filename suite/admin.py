@@ -2,7 +2,8 @@
 
 Both work on the files under ``$AISERVE_HOME`` directly (the keys database and the usage
 ledger), so they work whether or not the suite runs; the gateway sees a new or revoked key on
-its next request.
+its next request. The usage report only reads the ledger (``LedgerReader``: read-only, it never
+creates or changes the file).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from aiserve.common.paths import KEYS_FILE, LEDGER_FILE, aiserve_home
-from services.gateway.ledger import COLUMNS, Ledger
+from services.gateway.ledger import COLUMNS, LedgerMissingError, LedgerReader
 from services.gateway.tenants import TIERS, KeyStore, Tenant, TenantError
 
 
@@ -36,6 +37,7 @@ def _ms(field: str, text: str | None) -> int | None:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
+    """``aiserve keys create|list|revoke``."""
     store = KeyStore(_home(args) / KEYS_FILE)
     try:
         if args.action == "create":
@@ -73,17 +75,15 @@ def cmd_keys(args: argparse.Namespace) -> int:
 
 
 def cmd_usage(args: argparse.Namespace) -> int:
-    path = _home(args) / LEDGER_FILE
-    if not path.is_file():
-        print(f"aiserve: no usage ledger at {path} (the gateway writes it)", file=sys.stderr)
-        return 2
+    """``aiserve usage``: cost by tenant, day and model; every row of the period as CSV."""
     since, until = _ms("since", args.since), _ms("until", args.until)
-    ledger = Ledger(path)
     try:
-        buckets = ledger.buckets(args.tenant, since, until)
-        rows = ledger.rows(args.tenant, since, until) if args.csv else []
-    finally:
-        ledger.close()
+        ledger = LedgerReader(_home(args) / LEDGER_FILE)
+    except LedgerMissingError as exc:
+        print(f"aiserve: {exc}", file=sys.stderr)
+        return 2
+    buckets = ledger.buckets(args.tenant, since, until)
+    rows = ledger.rows(args.tenant, since, until) if args.csv else []
     print(f"{'tenant':<20} {'day':<10} {'model':<32} {'requests':>8} {'prompt':>9} {'completion':>10} {'cost':>12}")
     for b in buckets:
         t = b.totals

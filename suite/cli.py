@@ -5,6 +5,8 @@
     aiserve chat "prompt"            # stream an answer from a running suite
     aiserve keys create|list|revoke  # API keys and tenants
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
+
+Installed as the ``aiserve`` console script; ``python -m suite ...`` runs the same.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
-from aiserve.admin import add_commands
+from aiserve import store as model_store
 from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
-from aiserve.suite import Suite, SuiteConfig
+from suite.admin import add_commands
+from suite.process import wait_exit
+from suite.runner import Suite, SuiteConfig
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
@@ -28,8 +32,7 @@ def _store(args: argparse.Namespace) -> ModelStore:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from aiserve import store as model_store
-
+    """``aiserve models pull|list|verify|import``."""
     store = _store(args)
     if args.action == "pull":
         ref = ModelRef(DEFAULT_MODEL.name, DEFAULT_MODEL.version)
@@ -55,6 +58,7 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    """``aiserve run``: the four services until Ctrl-C or SIGTERM."""
     config = SuiteConfig.from_env(os.environ)
     suite = Suite(config)
 
@@ -95,8 +99,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _first_exit(suite: Suite) -> str:
-    """Wait until one child exits, and name it (Popen.wait is safe to call from threads)."""
-    waits = {asyncio.create_task(asyncio.to_thread(p.wait)): n for n, p in suite.processes.items()}
+    """Wait until one child exits, and name it."""
+    waits = {asyncio.create_task(wait_exit(p)): n for n, p in suite.processes.items()}
     done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     for task in pending:
         task.cancel()
@@ -104,7 +108,8 @@ async def _first_exit(suite: Suite) -> str:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from aiserve.client import chat, read_key
+    """``aiserve chat PROMPT``: stream an answer from a running suite."""
+    from suite.chat import chat, read_key
 
     key = args.key or os.environ.get("AISERVE_API_KEY") or read_key(aiserve_home() / DEV_KEY_FILE)
     if not key:
@@ -115,6 +120,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``aiserve`` command's parser, every subcommand with its handler as ``func``."""
     parser = argparse.ArgumentParser(prog="aiserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -147,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run one ``aiserve`` command and exit with its code."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = build_parser().parse_args(argv)
     try:

@@ -1,3 +1,0 @@
-from aiserve.cli import main
-
-main()
