@@ -1,1 +1,1 @@
-"""Benchmarks (DESIGN.md §7): each writes JSON and a PNG under bench/results/."""
+"""Benchmarks (docs/architecture.md, "Benchmarks"): each writes JSON and a PNG under bench/results/."""

@@ -1,4 +1,4 @@
-"""Engine benchmark (issue 3, DESIGN.md §7): continuous batching against Hugging Face `generate`,
+"""Engine benchmark: continuous batching against Hugging Face `generate`,
 measured in the same run on the same machine, bf16, greedy.
 
     .venv/bin/python -m bench.engine_bench [--sweep 1 4 8 16 32 64] [--mixed 48]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# CUDA check of the forward and the engine, for a session that is lent a GPU machine (DESIGN.md:
-# device and dtype are settings; issue 3: "on CPU and on CUDA when present").
+# CUDA check of the forward and the engine, for a machine with a GPU: device and dtype are
+# settings, and the engine must run on the CPU and on CUDA when one is present.
 #
 #   bash scripts/device_check.sh prepare   # here: fetch the wheels the GPU image lacks into .whl/
 #   then, with the device tool:  run(command="bash scripts/device_check.sh run", carry=[".whl"],
