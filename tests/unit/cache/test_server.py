@@ -4,7 +4,7 @@ SQLite and real faiss, and a deadline on every call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -13,18 +13,10 @@ from grpc import aio
 
 from aiserve.common.server import ServiceHandle
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
-from services.cache.config import DEFAULT_SIMILARITY_THRESHOLD, CacheConfig
+from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD
 from services.cache.embedder import Embedder
 from services.cache.server import create_server
-
-TIMEOUT_S = 10.0
-SCOPE = cache_pb2.CacheScope(model="smollm2-135m-instruct@0.1.2", tenant="acme", params="t=0")
-STOP = common_pb2.FINISH_REASON_STOP
-Q = "What is the capital of France?"
-
-
-def config_for(tmp_path: Path, **kwargs: object) -> CacheConfig:
-    return CacheConfig(port=0, metrics_port=0, db_path=str(tmp_path / "cache.sqlite3"), **kwargs)  # type: ignore[arg-type]
+from tests.unit.cache.support import SCOPE_PB, STOP, TIMEOUT_S, Q, config_for, lookup, store, store_messages
 
 
 @pytest.fixture
@@ -41,36 +33,6 @@ async def handle(tmp_path: Path, embedder: Embedder) -> AsyncIterator[ServiceHan
 async def stub(handle: ServiceHandle) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
     async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
         yield cache_pb2_grpc.CacheStub(channel)
-
-
-def store_messages(
-    query: str = Q, deltas: Sequence[tuple[str, list[int]]] = (("Paris", [12]), (".", [7])),
-    finish: common_pb2.FinishReason = STOP, scope: cache_pb2.CacheScope = SCOPE,
-) -> list[cache_pb2.StoreRequest]:
-    messages = [cache_pb2.StoreRequest(header=cache_pb2.StoreHeader(scope=scope, prompt=f"<user>{query}",
-                                                                    query=query))]
-    messages += [cache_pb2.StoreRequest(delta=cache_pb2.AnswerDelta(text=t, token_ids=ids)) for t, ids in deltas]
-    messages.append(cache_pb2.StoreRequest(finish=cache_pb2.StoreFinish(finish_reason=finish)))
-    return messages
-
-
-async def store(stub: cache_pb2_grpc.CacheStub, messages: list[cache_pb2.StoreRequest]) -> str:
-    call = stub.Store(timeout=TIMEOUT_S)
-    try:
-        for message in messages:
-            await call.write(message)
-        await call.done_writing()
-    except (asyncio.InvalidStateError, aio.AioRpcError):
-        # The service refused the stream while we were still writing; depending on timing the
-        # write itself fails locally. The call's own status (below) is what the service said.
-        pass
-    return (await call).entry_id
-
-
-async def lookup(stub: cache_pb2_grpc.CacheStub, query: str, scope: cache_pb2.CacheScope = SCOPE,
-                 **kwargs: object) -> cache_pb2.LookupResponse:
-    request = cache_pb2.LookupRequest(scope=scope, prompt=f"<user>{query}", query=query, **kwargs)  # type: ignore[arg-type]
-    return await stub.Lookup(request, timeout=TIMEOUT_S)
 
 
 async def test_a_streamed_answer_is_found_exactly_and_replayed_delta_by_delta(stub: cache_pb2_grpc.CacheStub) -> None:
@@ -93,29 +55,29 @@ async def test_a_paraphrase_hits_by_meaning_and_another_fact_does_not(stub: cach
     # A stricter threshold from the request; a looser one leaves the default in force.
     assert not (await lookup(stub, "Which city is the capital of France?", min_similarity=0.999)).hit
     assert not (await lookup(stub, "Tell me about France.", min_similarity=0.1)).hit  # ~0.69
-    other_tenant = cache_pb2.CacheScope(model=SCOPE.model, tenant="globex", params=SCOPE.params)
+    other_tenant = cache_pb2.CacheScope(model=SCOPE_PB.model, tenant="globex", params=SCOPE_PB.params)
     miss = await lookup(stub, Q, scope=other_tenant)
     assert not miss.hit and (miss.text, miss.entry_id, miss.similarity) == ("", "", 0.0)
 
 
 async def test_request_id_is_echoed_in_initial_metadata(stub: cache_pb2_grpc.CacheStub) -> None:
-    call = stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt="Hello?"),
+    call = stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE_PB, prompt="Hello?"),
                        metadata=(("x-request-id", "req-cache-1"),), timeout=TIMEOUT_S)
     assert not (await call).hit
     metadata = await call.initial_metadata()
     assert metadata.get("x-request-id") == "req-cache-1"
 
 
-@pytest.mark.parametrize(("messages", "field"), [
-    (store_messages(finish=common_pb2.FINISH_REASON_CANCELLED), "finish_reason"),
-    (store_messages(finish=common_pb2.FINISH_REASON_ERROR), "finish_reason"),
-    (store_messages()[:-1], "finish"),  # ended without a finish
-    (store_messages()[1:], "header"),  # no header
-    (store_messages() + store_messages()[-1:], "finish"),  # something after the finish
-    (store_messages(deltas=[("x" * 700, [1])] * 3), "entry"),  # over max_entry_bytes
+@pytest.mark.parametrize(("messages", "field", "outcome"), [
+    (store_messages(finish=common_pb2.FINISH_REASON_CANCELLED), "finish_reason", "refused"),
+    (store_messages(finish=common_pb2.FINISH_REASON_ERROR), "finish_reason", "refused"),
+    (store_messages()[:-1], "finish", "refused"),  # ended without a finish
+    (store_messages()[1:], "header", "refused"),  # no header
+    (store_messages() + store_messages()[-1:], "finish", "refused"),  # something after the finish
+    (store_messages(deltas=[("x" * 700, [1])] * 3), "entry", "refused"),  # over max_entry_bytes
 ])
 async def test_a_stream_that_did_not_finish_normally_stores_nothing(
-    tmp_path: Path, embedder: Embedder, messages: list[cache_pb2.StoreRequest], field: str
+    tmp_path: Path, embedder: Embedder, messages: list[cache_pb2.StoreRequest], field: str, outcome: str
 ) -> None:
     handle = await create_server(config_for(tmp_path, max_entry_bytes=2048), embedder)
     try:
@@ -127,6 +89,8 @@ async def test_a_stream_that_did_not_finish_normally_stores_nothing(
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details().startswith(f"{field}:")
             assert not (await lookup(stub, Q)).hit
+            # The handler ended before the status was sent, so its outcome is counted by now.
+            assert handle.registry.get_sample_value("aiserve_cache_stores_total", {"outcome": outcome}) == 1
     finally:
         await handle.stop(0)
 
@@ -143,7 +107,7 @@ async def test_a_cancelled_store_stream_leaves_nothing_behind(stub: cache_pb2_gr
 
 async def test_empty_prompt_is_invalid_argument(stub: cache_pb2_grpc.CacheStub) -> None:
     with pytest.raises(grpc.RpcError) as info:
-        await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE, prompt=""), timeout=TIMEOUT_S)
+        await stub.Lookup(cache_pb2.LookupRequest(scope=SCOPE_PB, prompt=""), timeout=TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in info.value.details()
 
 
@@ -167,6 +131,20 @@ async def test_invalidate_feedback_and_info(stub: cache_pb2_grpc.CacheStub) -> N
     with pytest.raises(grpc.RpcError) as err:
         await stub.Invalidate(cache_pb2.InvalidateRequest(), timeout=TIMEOUT_S)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_info_reports_the_settings_it_serves_with(tmp_path: Path, embedder: Embedder) -> None:
+    config = config_for(tmp_path, similarity_threshold=0.93, key_term_guard=False, index_kind="hnsw",
+                        shared_across_tenants=True)
+    handle = await create_server(config, embedder)
+    try:
+        await handle.start()
+        async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            info = await cache_pb2_grpc.CacheStub(channel).Info(cache_pb2.CacheInfoRequest(), timeout=TIMEOUT_S)
+        assert info.similarity_threshold == pytest.approx(0.93) and not info.key_term_guard
+        assert info.index_kind == "hnsw" and info.shared_across_tenants
+    finally:
+        await handle.stop(0)
 
 
 async def test_entries_and_index_survive_a_restart_even_without_the_index_file(
