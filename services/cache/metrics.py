@@ -13,6 +13,8 @@ from typing import Protocol
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from services.cache.record import NOT_EVICTIONS
+
 _SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99, 1.0)
 _LOOKUP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)  # seconds
 
@@ -61,8 +63,8 @@ class CacheMetrics:
             registry.register(collector)
 
     def count_removal(self, reason: str, ids: Sequence[int]) -> None:
-        """The record's removal hook: every removal but a replacement is an eviction."""
-        if reason != "replace":
+        """The record's removal hook: every removal but a replacement or an abandoned store is an eviction."""
+        if reason not in NOT_EVICTIONS:
             self.evictions.labels(reason).inc(len(ids))
 
     def count_lookup(self, tier: str | None, similarity: float, seconds: float) -> None:

@@ -40,7 +40,10 @@ log = get_logger("cache")
 
 RemovalHook = Callable[[str, Sequence[int]], None]
 """Called with (reason, row ids) when entries leave: "lru", "ttl", "invalidate",
-"model_version", "feedback", "embedder" or "replace" (same key stored again)."""
+"model_version", "feedback", "embedder", "replace" (same key stored again) or "abandoned"
+(stored by a Store stream the client cancelled)."""
+NOT_EVICTIONS = frozenset({"replace", "abandoned"})
+"""Removal reasons that are no eviction: the entry was replaced, or should never have been kept."""
 
 
 def _no_hook(_reason: str, _ids: Sequence[int]) -> None:
@@ -209,10 +212,11 @@ class CacheRecord:
         with self._lock, self._conn:
             return self._delete("invalidate", "tenant = ?", (tenant,))
 
-    def invalidate_entry(self, entry_id: str) -> int:
-        """Delete the entry ``entry_id``; returns how many went (0 or 1)."""
+    def invalidate_entry(self, entry_id: str, reason: str = "invalidate") -> int:
+        """Delete the entry ``entry_id`` (``reason`` "abandoned": it should never have been kept);
+        returns how many went (0 or 1)."""
         with self._lock, self._conn:
-            return self._delete("invalidate", "entry_id = ?", (entry_id,))
+            return self._delete(reason, "entry_id = ?", (entry_id,))
 
     def note_model(self, model: str) -> int:
         """The first time a version of a model name is seen, purge the entries of its other

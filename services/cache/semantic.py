@@ -173,6 +173,12 @@ class SemanticCache:
                 return self.record.invalidate_entry(entry_id)
         raise InvalidArgument("target: set one of model, scope, tenant or entry_id")
 
+    def discard(self, entry_id: str) -> int:
+        """Remove an entry that should never have been kept (its Store was cancelled while it
+        was being committed): not counted as an eviction. Returns how many went (0 or 1)."""
+        with self._lock:
+            return self.record.invalidate_entry(entry_id, reason="abandoned")
+
     def feedback(self, entry_id: str, negative: bool) -> tuple[bool, bool]:
         """(found, removed): see CacheRecord.feedback."""
         with self._lock:

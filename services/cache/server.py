@@ -55,6 +55,12 @@ def hit_to_pb(hit: Hit) -> cache_pb2.LookupResponse:
     return reply
 
 
+class _EndedEarly(InvalidArgument):
+    """A Store stream ended before its finish: the generation did not finish, or the client
+    cancelled (grpc ends a cancelled call's request stream the same way). Nothing is stored, and
+    no input was bad: counted as "abandoned", not "refused"."""
+
+
 class _StoreStream:
     """What a Store stream has sent so far; checks order and size as messages arrive. The query
     is embedded (``embed``) while the generation is still streaming in."""
@@ -147,12 +153,12 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 else:
                     stream.add(message)
             if stream is None or stream.finish is None:
-                raise InvalidArgument("finish: the stream ended before the generation finished; nothing stored")
+                raise _EndedEarly("finish: the stream ended before the generation finished; nothing stored")
             entry = await self._commit(stream, stream.finish)
             outcome = "stored"
             return cache_pb2.StoreResponse(entry_id=entry.entry_id)
-        except InvalidArgument:
-            outcome = "refused"
+        except InvalidArgument as exc:
+            outcome = "abandoned" if isinstance(exc, _EndedEarly) else "refused"
             # Read the rest of the stream first (and drop it): answered while the client still
             # writes, the status races its next write, and the client may see that write fail
             # (INTERNAL "Internal error from Core") instead of the field that was refused.
@@ -165,11 +171,24 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 stream.embedding.cancel()
 
     async def _commit(self, stream: _StoreStream, finish: FinishReason) -> CacheEntry:
-        """Store a finished answer (in a worker thread: SQLite and faiss block)."""
+        """Store a finished answer (in a worker thread: SQLite and faiss block).
+
+        grpc ends the request stream of a call the client cancelled as if the client had
+        half-closed it, and cancels this handler only afterwards; so a cancel that lands while
+        the commit runs waits for the commit and discards its entry: a cancelled Store keeps
+        nothing, whether or not its finish had arrived.
+        """
         vector = await stream.embedding
-        return await asyncio.to_thread(
+        commit = asyncio.ensure_future(asyncio.to_thread(
             self._cache.store, stream.scope, stream.prompt, "".join(stream.texts), stream.token_ids, finish,
-            query=stream.query, vector=vector, deltas=stream.deltas, ttl_s=stream.ttl_s or None)
+            query=stream.query, vector=vector, deltas=stream.deltas, ttl_s=stream.ttl_s or None))
+        try:
+            return await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            entry = await commit
+            await asyncio.to_thread(self._cache.discard, entry.entry_id)
+            log.info("cache_store_discarded", entry_id=entry.entry_id, reason="cancelled while committing")
+            raise
 
     async def Invalidate(  # noqa: N802
         self, request: cache_pb2.InvalidateRequest, context: aio.ServicerContext

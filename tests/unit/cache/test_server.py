@@ -4,18 +4,22 @@ SQLite and real faiss, and a deadline on every call."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc import aio
+from prometheus_client import CollectorRegistry
 
 from aiserve.common.server import ServiceHandle
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD
 from services.cache.embedder import Embedder
-from services.cache.server import create_server
+from services.cache.entry import CacheScope
+from services.cache.metrics import CacheMetrics
+from services.cache.server import CacheServicer, create_server, open_semantic_cache
 from tests.unit.cache.support import SCOPE_PB, STOP, TIMEOUT_S, Q, config_for, lookup, store, store_messages
 
 
@@ -33,6 +37,35 @@ async def handle(tmp_path: Path, embedder: Embedder) -> AsyncIterator[ServiceHan
 async def stub(handle: ServiceHandle) -> AsyncIterator[cache_pb2_grpc.CacheStub]:
     async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
         yield cache_pb2_grpc.CacheStub(channel)
+
+
+class StoreEnds(CacheMetrics):
+    """The service's metrics, which also hand each Store outcome to a test that waits for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outcomes: asyncio.Queue[str] = asyncio.Queue()
+
+    def count_store(self, outcome: str) -> None:
+        super().count_store(outcome)
+        self.outcomes.put_nowait(outcome)
+
+
+class HeldReplacement(CacheMetrics):
+    """The service's metrics, whose removal hook holds a replacing commit inside its SQLite
+    transaction (in the worker thread) until the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.get_running_loop()
+        self.replacing = asyncio.Event()
+        self.release = threading.Event()
+
+    def count_removal(self, reason: str, ids: Sequence[int]) -> None:
+        super().count_removal(reason, ids)
+        if reason == "replace":
+            self.loop.call_soon_threadsafe(self.replacing.set)
+            assert self.release.wait(TIMEOUT_S), "the test never released the commit"
 
 
 async def test_a_streamed_answer_is_found_exactly_and_replayed_delta_by_delta(stub: cache_pb2_grpc.CacheStub) -> None:
@@ -71,7 +104,7 @@ async def test_request_id_is_echoed_in_initial_metadata(stub: cache_pb2_grpc.Cac
 @pytest.mark.parametrize(("messages", "field", "outcome"), [
     (store_messages(finish=common_pb2.FINISH_REASON_CANCELLED), "finish_reason", "refused"),
     (store_messages(finish=common_pb2.FINISH_REASON_ERROR), "finish_reason", "refused"),
-    (store_messages()[:-1], "finish", "refused"),  # ended without a finish
+    (store_messages()[:-1], "finish", "abandoned"),  # ended without a finish: the generation never finished
     (store_messages()[1:], "header", "refused"),  # no header
     (store_messages() + store_messages()[-1:], "finish", "refused"),  # something after the finish
     (store_messages(deltas=[("x" * 700, [1])] * 3), "entry", "refused"),  # over max_entry_bytes
@@ -95,14 +128,59 @@ async def test_a_stream_that_did_not_finish_normally_stores_nothing(
         await handle.stop(0)
 
 
-async def test_a_cancelled_store_stream_leaves_nothing_behind(stub: cache_pb2_grpc.CacheStub) -> None:
-    call = stub.Store(timeout=TIMEOUT_S)
-    for message in store_messages():
-        await call.write(message)
-    call.cancel()  # the generation was cancelled before the stream was closed
-    with pytest.raises(asyncio.CancelledError):
-        await call
-    assert not (await lookup(stub, Q)).hit
+async def test_a_cancelled_store_stream_keeps_nothing(tmp_path: Path, embedder: Embedder) -> None:
+    metrics = StoreEnds()
+    handle = await create_server(config_for(tmp_path), embedder, metrics)
+    try:
+        await handle.start()
+        async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
+            stub = cache_pb2_grpc.CacheStub(channel)
+            call = stub.Store(timeout=TIMEOUT_S)
+            for message in store_messages():  # the finish too, but the stream is never half-closed
+                await call.write(message)
+            await call.initial_metadata()  # the service has begun handling this stream
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            # The service's Store handler has ended; only then is "nothing stored" a finding.
+            assert await asyncio.wait_for(metrics.outcomes.get(), TIMEOUT_S) == "abandoned"
+            assert not (await lookup(stub, Q)).hit
+            assert (await stub.Info(cache_pb2.CacheInfoRequest(), timeout=TIMEOUT_S)).entries == 0
+    finally:
+        await handle.stop(0)
+
+
+async def test_a_store_cancelled_while_it_commits_keeps_nothing(tmp_path: Path, embedder: Embedder) -> None:
+    """grpc ends a cancelled call's request stream like a half-close and cancels the handler
+    afterwards, so the cancel can land while the answer is being committed: it must not stay."""
+    config = config_for(tmp_path)
+    metrics = HeldReplacement()
+    cache = open_semantic_cache(config, embedder.model_id, embedder.dim, metrics.count_removal)
+    registry = CollectorRegistry()
+    metrics.register(registry, cache)
+    servicer = CacheServicer(cache, embedder, config, metrics)
+
+    async def requests() -> AsyncIterator[cache_pb2.StoreRequest]:
+        for message in store_messages():
+            yield message
+
+    try:
+        scope = CacheScope(SCOPE_PB.model, SCOPE_PB.tenant, SCOPE_PB.params)
+        cache.store(scope, f"<user>{Q}", "An older answer.", (3,), "stop")  # the commit below replaces it
+        handler = asyncio.create_task(servicer.Store(requests(), None))  # type: ignore[arg-type]
+        await asyncio.wait_for(metrics.replacing.wait(), TIMEOUT_S)  # held inside its transaction
+        handler.cancel()
+        metrics.release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(handler, TIMEOUT_S)
+        # A lookup takes the cache's lock, so it sees the cache after the commit thread is done.
+        assert await asyncio.to_thread(cache.lookup, scope, f"<user>{Q}") is None
+        assert cache.num_entries == cache.num_vectors == 0
+        assert registry.get_sample_value("aiserve_cache_stores_total", {"outcome": "abandoned"}) == 1
+        assert registry.get_sample_value("aiserve_cache_evictions_total", {"reason": "abandoned"}) is None
+    finally:
+        metrics.release.set()
+        cache.close()
 
 
 async def test_empty_prompt_is_invalid_argument(stub: cache_pb2_grpc.CacheStub) -> None:
