@@ -184,11 +184,6 @@ class SemanticCache:
         with self._lock:
             return self.record.feedback(entry_id, negative)
 
-    def purge_expired(self) -> int:
-        """Remove every expired entry and its vector; returns how many went."""
-        with self._lock:
-            return self.record.purge_expired()
-
     def snapshot(self) -> None:
         """Write the index snapshot (on shutdown; a crash costs only a rebuild at the next start)."""
         with self._lock:
