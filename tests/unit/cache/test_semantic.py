@@ -5,6 +5,8 @@ what survives a restart."""
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -193,3 +195,17 @@ def test_entries_and_index_survive_a_restart(open_: Opened, kind: str, damage: s
         assert reopened.num_vectors == reopened.num_entries
     finally:
         reopened.close()
+
+
+def test_the_matching_logic_imports_neither_grpc_nor_torch() -> None:
+    """SemanticCache, the record and the tiers are core code: grpc stays in server.py, torch
+    in the embedding model (loaded by the service, not by the match rule). The settings import
+    neither faiss nor numpy."""
+    core = ("import sys; import services.cache.semantic, services.cache.exact, services.cache.record; "
+            "print(sorted(m for m in ('grpc', 'torch') if m in sys.modules))")
+    settings = ("import sys; import services.cache.config; "
+                "print(sorted(m for m in ('grpc', 'torch', 'faiss', 'numpy') if m in sys.modules))")
+    for program in (core, settings):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                              check=True, cwd=Path(__file__).resolve().parents[3])
+        assert done.stdout.strip() == "[]", (program, done.stdout, done.stderr)
