@@ -7,10 +7,11 @@ from pathlib import Path
 
 from grpc import aio
 
+from aiserve.common.server import ServiceHandle
 from aiserve.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.embedder import Embedder
 from services.cache.server import create_server
-from tests.unit.cache.support import TIMEOUT_S, config_for, lookup, store, store_messages
+from tests.unit.cache.support import SCOPE_PB, TIMEOUT_S, config_for, lookup, store, store_messages
 
 
 async def test_two_cache_servers_in_one_process_each_report_their_own_metrics(
@@ -29,12 +30,12 @@ async def test_two_cache_servers_in_one_process_each_report_their_own_metrics(
                 for query in ("How many legs does a spider have?", "What is 12 times 7?"):
                     await store(stub_two, store_messages(query))
                 assert (await lookup(stub_one, "Which city is the capital of France?")).hit
-                removed = await stub_two.Invalidate(cache_pb2.InvalidateRequest(model=store_messages()[0].header.scope
-                                                                                .model), timeout=TIMEOUT_S)
+                removed = await stub_two.Invalidate(cache_pb2.InvalidateRequest(model=SCOPE_PB.model),
+                                                    timeout=TIMEOUT_S)
                 assert removed.removed == 2
 
-            def sample(handle: object, name: str, **labels: str) -> float | None:
-                return handle.registry.get_sample_value(name, labels)  # type: ignore[attr-defined,no-any-return]
+            def sample(handle: ServiceHandle, name: str, **labels: str) -> float | None:
+                return handle.registry.get_sample_value(name, labels)
 
             # Entries and vectors: what each server's own cache holds, read when scraped.
             assert sample(first, "aiserve_cache_entries") == 1 and sample(first, "aiserve_cache_vectors") == 1
