@@ -39,18 +39,6 @@ async def stub(handle: ServiceHandle) -> AsyncIterator[cache_pb2_grpc.CacheStub]
         yield cache_pb2_grpc.CacheStub(channel)
 
 
-class StoreEnds(CacheMetrics):
-    """The service's metrics, which also hand each Store outcome to a test that waits for it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.outcomes: asyncio.Queue[str] = asyncio.Queue()
-
-    def count_store(self, outcome: str) -> None:
-        super().count_store(outcome)
-        self.outcomes.put_nowait(outcome)
-
-
 class HeldReplacement(CacheMetrics):
     """The service's metrics, whose removal hook holds a replacing commit inside its SQLite
     transaction (in the worker thread) until the test releases it."""
@@ -128,9 +116,20 @@ async def test_a_stream_that_did_not_finish_normally_stores_nothing(
         await handle.stop(0)
 
 
-async def test_a_cancelled_store_stream_keeps_nothing(tmp_path: Path, embedder: Embedder) -> None:
-    metrics = StoreEnds()
-    handle = await create_server(config_for(tmp_path), embedder, metrics)
+async def test_a_cancelled_store_stream_keeps_nothing(
+    tmp_path: Path, embedder: Embedder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    handle = await create_server(config_for(tmp_path), embedder)
+    finished: asyncio.Queue[tuple[str, grpc.StatusCode]] = asyncio.Queue()
+    record = handle.rpc_metrics.record
+
+    def recorded(method: str, code: grpc.StatusCode, elapsed_s: float) -> None:
+        record(method, code, elapsed_s)
+        finished.put_nowait((method, code))
+
+    # The interceptor records an RPC after its handler has ended (a commit and a discard
+    # included), also when the cancel landed before the handler began.
+    monkeypatch.setattr(handle.rpc_metrics, "record", recorded)
     try:
         await handle.start()
         async with aio.insecure_channel(f"127.0.0.1:{handle.port}") as channel:
@@ -138,14 +137,17 @@ async def test_a_cancelled_store_stream_keeps_nothing(tmp_path: Path, embedder: 
             call = stub.Store(timeout=TIMEOUT_S)
             for message in store_messages():  # the finish too, but the stream is never half-closed
                 await call.write(message)
-            await call.initial_metadata()  # the service has begun handling this stream
+            await call.initial_metadata()  # the service has taken the call
             call.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await call
-            # The service's Store handler has ended; only then is "nothing stored" a finding.
-            assert await asyncio.wait_for(metrics.outcomes.get(), TIMEOUT_S) == "abandoned"
+            # Only once the service has finished the call is "nothing stored" a finding.
+            assert await asyncio.wait_for(finished.get(), TIMEOUT_S) == ("/aiserve.v1.Cache/Store",
+                                                                          grpc.StatusCode.CANCELLED)
             assert not (await lookup(stub, Q)).hit
             assert (await stub.Info(cache_pb2.CacheInfoRequest(), timeout=TIMEOUT_S)).entries == 0
+        for outcome in ("stored", "refused"):  # "abandoned" if the handler had begun
+            assert handle.registry.get_sample_value("aiserve_cache_stores_total", {"outcome": outcome}) is None
     finally:
         await handle.stop(0)
 
