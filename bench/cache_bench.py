@@ -1,5 +1,5 @@
 """Cache benchmark: lookup latency at 10,000 and 100,000 entries, and a cache hit against a miss
-through the gateway end to end, in the same run (DESIGN.md §7).
+through the gateway end to end, in the same run.
 
     .venv/bin/python -m bench.cache_bench [--sizes 10000 100000] [--e2e-requests 8]
 
@@ -29,10 +29,11 @@ import numpy as np
 from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
 from services.cache.calibrate import ScoredPair, load_pairs, score_pairs
+from services.cache.component_config import IndexParams, MatchRule, RecordConfig
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder
-from services.cache.exact import CacheScope
-from services.cache.semantic import MatchRule, SemanticCache
+from services.cache.entry import CacheScope
+from services.cache.semantic import SemanticCache
 from suite.runner import Suite, SuiteConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,10 +55,9 @@ def machine() -> dict[str, Any]:
 
 
 def open_cache(folder: Path, kind: str, threshold: float) -> SemanticCache:
-    config = CacheConfig(index_kind=kind)
-    return SemanticCache(folder / "cache.sqlite3", folder / f"{kind}.faiss", dim=384, rule=MatchRule(threshold),
-                         ttl_s=86400, max_entries=10_000_000, max_entry_bytes=1 << 20, embedder_id="bench",
-                         index_params=config.index_params())
+    return SemanticCache(folder / "cache.sqlite3", folder / f"{kind}.faiss", dim=384,
+                         record=RecordConfig(max_entries=10_000_000), rule=MatchRule(similarity_threshold=threshold),
+                         index=IndexParams(index_kind=kind), embedder_id="bench")
 
 
 def fill(cache: SemanticCache, size: int, real: Sequence[tuple[str, np.ndarray]], rng: np.random.Generator) -> float:
@@ -236,7 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     configure_logging("bench", "warning")
-    threshold = CacheConfig().similarity_threshold
+    threshold = CacheConfig().match_rule.similarity_threshold
     faiss.omp_set_num_threads(CacheConfig().index_threads)  # as the service runs it
     embedder = Embedder(threads=1)  # as the service runs it
     scored = score_pairs(load_pairs(), embedder)

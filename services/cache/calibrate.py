@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.cache.config import DEFAULT_SIMILARITY_THRESHOLD
+from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD
 from services.cache.embedder import Embedder
 from services.cache.guard import disagreement, key_terms
 
@@ -134,7 +134,43 @@ def _plot(curves: dict[str, list[Metrics]], default: float, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _print_table(curves: dict[str, list[Metrics]]) -> None:
+    """Precision, recall and false-hit rate from 0.70 up, without and with the guard, side by side."""
+    print(f"{'threshold':>9}  {'precision':>9} {'recall':>6} {'false-hit':>9}   {'precision':>9} {'recall':>6} "
+          f"{'false-hit':>9}\n{'':>9}  {'--- embedding only ---':^26}   {'--- with key-term guard ---':^26}")
+    for plain, guarded in zip(*curves.values(), strict=True):
+        if plain.threshold >= 0.70:
+            print(f"{plain.threshold:9.2f}  {plain.precision:9.3f} {plain.recall:6.3f} {plain.false_hit_rate:9.3f}   "
+                  f"{guarded.precision:9.3f} {guarded.recall:6.3f} {guarded.false_hit_rate:9.3f}")
+
+
+def _recommendations(pairs: Sequence[ScoredPair], report: dict[str, object]) -> None:
+    """What the rule picks on the tune split, with and without the guard (printed and reported)."""
+    tune = [p for p in pairs if p.split != "holdout"]  # the holdout split only checks the choice
+    for name, guard in (("without_guard", False), ("with_guard", True)):
+        best = recommend(tune, guard)
+        report[f"recommended_{name}"] = asdict(best) if best else None
+        print(f"recommended {name.replace('_', ' ')} (tune split, {len(tune)} pairs): " + (
+            f"{best.threshold:.2f} (precision {best.precision:.3f}, recall {best.recall:.3f}, "
+            f"false-hit rate {best.false_hit_rate:.3f})" if best else f"none reaches {TARGET:.0%}"))
+
+
+def _default_on_splits(pairs: Sequence[ScoredPair], report: dict[str, object]) -> None:
+    """How the shipped default does on every split and by kind (printed and reported)."""
+    for split in ("all", *sorted({p.split for p in pairs})):
+        part = [p for p in pairs if split in ("all", p.split)]
+        m = evaluate(part, DEFAULT_SIMILARITY_THRESHOLD, True)
+        report[f"default_on_{split}"] = asdict(m)
+        print(f"default {DEFAULT_SIMILARITY_THRESHOLD:.2f} + guard on the {split} split ({len(part)} pairs): "
+              f"precision {m.precision:.3f}, recall {m.recall:.3f}, false-hit rate {m.false_hit_rate:.3f}")
+    kinds = by_kind(pairs, DEFAULT_SIMILARITY_THRESHOLD, True)
+    report["by_kind_at_default"] = kinds
+    for key, value in kinds.items():
+        print(f"  {key:34s} {value}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Score the labelled pairs, print the table and the recommendation, write the JSON and PNG."""
     parser = argparse.ArgumentParser(prog="python -m services.cache.calibrate", description=__doc__.split("\n")[0])
     parser.add_argument("--pairs", type=Path, default=PAIRS_PATH, help="labelled pairs (JSON lines)")
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="folder for the JSON and PNG")
@@ -146,31 +182,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               for name, guard in (("embedding only", False), ("embedding + key-term guard", True))}
     num_pos = sum(p.label for p in pairs)
     print(f"{len(pairs)} labelled pairs ({num_pos} positive, {len(pairs) - num_pos} negative) from {args.pairs}")
-    print(f"{'threshold':>9}  {'precision':>9} {'recall':>6} {'false-hit':>9}   {'precision':>9} {'recall':>6} "
-          f"{'false-hit':>9}\n{'':>9}  {'--- embedding only ---':^26}   {'--- with key-term guard ---':^26}")
-    for plain, guarded in zip(*curves.values(), strict=True):
-        if plain.threshold >= 0.70:
-            print(f"{plain.threshold:9.2f}  {plain.precision:9.3f} {plain.recall:6.3f} {plain.false_hit_rate:9.3f}   "
-                  f"{guarded.precision:9.3f} {guarded.recall:6.3f} {guarded.false_hit_rate:9.3f}")
+    _print_table(curves)
     report: dict[str, object] = {"machine": platform.platform(), "pairs": len(pairs), "positives": num_pos,
                                  "target": TARGET, "default_threshold": DEFAULT_SIMILARITY_THRESHOLD}
-    tune = [p for p in pairs if p.split != "holdout"]  # the holdout split only checks the choice
-    for name, guard in (("without_guard", False), ("with_guard", True)):
-        best = recommend(tune, guard)
-        report[f"recommended_{name}"] = asdict(best) if best else None
-        print(f"recommended {name.replace('_', ' ')} (tune split, {len(tune)} pairs): " + (
-            f"{best.threshold:.2f} (precision {best.precision:.3f}, recall {best.recall:.3f}, "
-            f"false-hit rate {best.false_hit_rate:.3f})" if best else f"none reaches {TARGET:.0%}"))
-    for split in ("all", *sorted({p.split for p in pairs})):
-        part = [p for p in pairs if split in ("all", p.split)]
-        m = evaluate(part, DEFAULT_SIMILARITY_THRESHOLD, True)
-        report[f"default_on_{split}"] = asdict(m)
-        print(f"default {DEFAULT_SIMILARITY_THRESHOLD:.2f} + guard on the {split} split ({len(part)} pairs): "
-              f"precision {m.precision:.3f}, recall {m.recall:.3f}, false-hit rate {m.false_hit_rate:.3f}")
-    report["by_kind_at_default"] = by_kind(pairs, DEFAULT_SIMILARITY_THRESHOLD, True)
+    _recommendations(pairs, report)
+    _default_on_splits(pairs, report)
     report["curves"] = {name: [asdict(m) for m in rows] for name, rows in curves.items()}
-    for key, value in report["by_kind_at_default"].items():  # type: ignore[attr-defined]
-        print(f"  {key:34s} {value}")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache_calibration.json").write_text(json.dumps(report, indent=2))
     _plot(curves, DEFAULT_SIMILARITY_THRESHOLD, args.out / "cache_calibration.png")

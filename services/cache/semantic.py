@@ -22,10 +22,13 @@ import numpy as np
 
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.logging import get_logger
+from services.cache.component_config import IndexParams, MatchRule, RecordConfig
 from services.cache.embedder import Vector
-from services.cache.exact import CacheEntry, CacheScope, ExactCache, RemovalHook
+from services.cache.entry import CacheEntry, CacheScope
+from services.cache.exact import ExactTier
 from services.cache.guard import disagreement, key_terms
-from services.cache.index import IndexParams, VectorIndex
+from services.cache.index import VectorIndex
+from services.cache.record import CacheRecord, RemovalHook
 
 log = get_logger("cache")
 
@@ -33,26 +36,16 @@ EXACT_SIMILARITY = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class MatchRule:
-    """When a stored query answers a new one."""
-
-    threshold: float
-    """Lowest cosine similarity of a semantic hit (measured: docs/cache.md)."""
-    use_guard: bool = True
-    """Whether the key terms must agree too."""
-    candidates: int = 8
-    """Nearest stored queries examined per lookup."""
-
-
-@dataclass(frozen=True, slots=True)
 class Hit:
+    """A stored entry that answers a lookup, how similar its query is, and which tier found it."""
+
     entry: CacheEntry
     similarity: float
     tier: str  # "exact" | "semantic"
 
 
 class SemanticCache:
-    """Exact + semantic tiers over an ExactCache record and a VectorIndex. Thread-safe."""
+    """Exact + semantic tiers over a CacheRecord and a VectorIndex. Thread-safe."""
 
     def __init__(
         self,
@@ -60,25 +53,19 @@ class SemanticCache:
         index_path: Path,
         *,
         dim: int,
+        record: RecordConfig,
         rule: MatchRule,
-        ttl_s: float,
-        max_entries: int,
-        max_entry_bytes: int,
+        index: IndexParams,
         embedder_id: str = "",
-        shared_across_tenants: bool = False,
-        index_params: IndexParams | None = None,
-        purge_old_versions: bool = True,
         clock: Callable[[], float] = time.time,
         on_remove: RemovalHook | None = None,
     ) -> None:
-        self.rule, self.index_path, self.purge_old_versions = rule, index_path, purge_old_versions
+        self.rule, self.index_path = rule, index_path
         self._on_remove = on_remove
         self._lock = threading.Lock()
-        self._index = VectorIndex(dim, index_params)
-        self._versions: dict[str, str] = {}  # model name -> the version seen last
-        self.record = ExactCache(
-            record_path, ttl_s=ttl_s, max_entries=max_entries, max_entry_bytes=max_entry_bytes, clock=clock,
-            on_remove=self._removed, embedder_id=embedder_id, shared_across_tenants=shared_across_tenants)
+        self._index = VectorIndex(dim, index)
+        self.record = CacheRecord(record_path, record, embedder_id=embedder_id, clock=clock, on_remove=self._removed)
+        self._exact = ExactTier(self.record)
         self.index_source = self._open_index()
 
     def _removed(self, reason: str, ids: Sequence[int]) -> None:
@@ -93,26 +80,32 @@ class SemanticCache:
         if why is None:
             source = "snapshot"
         else:
-            self._index.clear()
-            for rows in self.record.vectors():
-                by_space: dict[bytes, list[tuple[int, bytes]]] = {}
-                for id_, namespace, blob in rows:
-                    by_space.setdefault(namespace, []).append((id_, blob))
-                for namespace, items in by_space.items():
-                    ids = np.fromiter((i for i, _ in items), np.int64, len(items))
-                    vectors = np.frombuffer(b"".join(b for _, b in items), np.float32).reshape(len(items), -1)
-                    self._index.add(namespace, ids, vectors)
+            self._rebuild_index()
             source = f"rebuilt ({why})"
         log.info("cache_index_opened", source=source, vectors=len(self._index),
                  ms=round((time.perf_counter() - started) * 1000, 1))
         return source
 
+    def _rebuild_index(self) -> None:
+        """Fill the index from the embeddings stored in the record (no re-embedding)."""
+        self._index.clear()
+        for rows in self.record.vectors():
+            by_space: dict[bytes, list[tuple[int, bytes]]] = {}
+            for id_, namespace, blob in rows:
+                by_space.setdefault(namespace, []).append((id_, blob))
+            for namespace, items in by_space.items():
+                ids = np.fromiter((i for i, _ in items), np.int64, len(items))
+                vectors = np.frombuffer(b"".join(b for _, b in items), np.float32).reshape(len(items), -1)
+                self._index.add(namespace, ids, vectors)
+
     @property
     def num_entries(self) -> int:
+        """Entries in the record."""
         return self.record.num_entries
 
     @property
     def num_vectors(self) -> int:
+        """Vectors in the index (entries stored with a query and its embedding)."""
         return len(self._index)
 
     def lookup(
@@ -123,27 +116,31 @@ class SemanticCache:
         needs its ``vector``), or None. ``min_similarity`` can only raise the threshold."""
         if min_similarity is not None and not 0.0 <= min_similarity <= 1.0:
             raise InvalidArgument(f"min_similarity: must be in [0, 1], got {min_similarity}")
-        threshold = max(self.rule.threshold, min_similarity or 0.0)
+        threshold = max(self.rule.similarity_threshold, min_similarity or 0.0)
         with self._lock:
-            self._note_model(scope.model)
-            if (entry := self.record.lookup(scope, prompt)) is not None:
+            self.record.note_model(scope.model)
+            if (entry := self._exact.lookup(scope, prompt)) is not None:
                 return Hit(entry, EXACT_SIMILARITY, "exact")
             if vector is None or not query:
                 return None
-            namespace = self.record.namespace(scope)
-            found = [(i, s) for i, s in self._index.search(namespace, vector, self.rule.candidates) if s >= threshold]
-            if not found:
-                return None
-            live = self.record.live(namespace, [i for i, _ in found])
-            terms = key_terms(query) if self.rule.use_guard else None
-            for id_, similarity in found:
-                entry = live.get(id_)
-                if entry is None:
-                    continue
-                if terms is not None and disagreement(terms, key_terms(entry.query)) is not None:
-                    continue
-                self.record.touch(id_)
-                return Hit(entry, min(similarity, EXACT_SIMILARITY), "semantic")
+            return self._semantic_hit(self.record.namespace(scope), query, vector, threshold)
+
+    def _semantic_hit(self, namespace: bytes, query: str, vector: Vector, threshold: float) -> Hit | None:
+        """The most similar live entry of ``namespace`` at or over ``threshold`` whose key terms
+        agree with ``query`` (when the guard is on), or None. The caller holds the lock."""
+        found = [(i, s) for i, s in self._index.search(namespace, vector, self.rule.candidates) if s >= threshold]
+        if not found:
+            return None
+        live = self.record.live(namespace, [i for i, _ in found])
+        terms = key_terms(query) if self.rule.key_term_guard else None
+        for id_, similarity in found:
+            entry = live.get(id_)
+            if entry is None:
+                continue
+            if terms is not None and disagreement(terms, key_terms(entry.query)) is not None:
+                continue
+            self.record.touch(id_)
+            return Hit(entry, min(similarity, EXACT_SIMILARITY), "semantic")
         return None
 
     def store(
@@ -154,7 +151,7 @@ class SemanticCache:
         """Store an answer in the record, and its query's vector in the index (when given)."""
         embedding = None if vector is None or not query else np.asarray(vector, np.float32).tobytes()
         with self._lock:
-            self._note_model(scope.model)
+            self.record.note_model(scope.model)
             entry = self.record.store(scope, prompt, text, token_ids, finish_reason, query=query,
                                       embedding=embedding, deltas=deltas, ttl_s=ttl_s)
             if embedding is not None:
@@ -176,14 +173,16 @@ class SemanticCache:
                 return self.record.invalidate_entry(entry_id)
         raise InvalidArgument("target: set one of model, scope, tenant or entry_id")
 
-    def feedback(self, entry_id: str, negative: bool, evict_after: int) -> tuple[bool, bool]:
-        """(found, removed): see ExactCache.feedback."""
+    def discard(self, entry_id: str) -> int:
+        """Remove an entry that should never have been kept (its Store was cancelled while it
+        was being committed): not counted as an eviction. Returns how many went (0 or 1)."""
         with self._lock:
-            return self.record.feedback(entry_id, negative, evict_after)
+            return self.record.invalidate_entry(entry_id, reason="abandoned")
 
-    def purge_expired(self) -> int:
+    def feedback(self, entry_id: str, negative: bool) -> tuple[bool, bool]:
+        """(found, removed): see CacheRecord.feedback."""
         with self._lock:
-            return self.record.purge_expired()
+            return self.record.feedback(entry_id, negative)
 
     def snapshot(self) -> None:
         """Write the index snapshot (on shutdown; a crash costs only a rebuild at the next start)."""
@@ -191,17 +190,7 @@ class SemanticCache:
             self._index.save(self.index_path)
 
     def close(self) -> None:
+        """Write the index snapshot and close the record."""
         with self._lock:
             self._index.save(self.index_path)
             self.record.close()
-
-    def _note_model(self, model: str) -> None:
-        """A new version of a model name purges the entries of its other versions (they are
-        already unreachable: the version is part of the namespace)."""
-        name, _, version = model.rpartition("@")
-        if not self.purge_old_versions or not name or self._versions.get(name) == version:
-            return
-        self._versions[name] = version
-        if removed := self.record.purge_other_versions(model):
-            log.info("cache_model_version_purged", model=model, removed=removed)
-

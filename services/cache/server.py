@@ -11,11 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 
 import faiss
 from grpc import aio
-from prometheus_client import Counter, Gauge, Histogram
 
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.finish import STORABLE, FinishReason
@@ -25,28 +24,16 @@ from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder, Vector
-from services.cache.exact import CacheScope, ExactCache
-from services.cache.semantic import Hit, MatchRule, SemanticCache
+from services.cache.entry import CacheEntry, CacheScope
+from services.cache.metrics import CacheMetrics
+from services.cache.record import RemovalHook
+from services.cache.record_schema import entry_bytes
+from services.cache.semantic import Hit, SemanticCache
 
 SERVICE_NAME = cache_pb2.DESCRIPTOR.services_by_name["Cache"].full_name
 _TIERS = {"exact": cache_pb2.MATCH_TIER_EXACT, "semantic": cache_pb2.MATCH_TIER_SEMANTIC}
-_SIMILARITY_BUCKETS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.88, 0.9, 0.93, 0.96, 0.99, 1.0)
 
 log = get_logger("cache")
-
-LOOKUPS = Counter("aiserve_cache_lookups_total", "Cache lookups", ["result", "tier"])
-LOOKUP_SECONDS = Histogram("aiserve_cache_lookup_seconds", "Lookup latency (embedding included)", ["result"],
-                           buckets=(0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
-HIT_SIMILARITY = Histogram("aiserve_cache_hit_similarity", "Similarity of cache hits", ["tier"],
-                           buckets=_SIMILARITY_BUCKETS)
-STORES = Counter("aiserve_cache_stores_total", "Store streams by outcome", ["outcome"])
-EVICTIONS = Counter("aiserve_cache_evictions_total", "Entries removed without replacement", ["reason"])
-ENTRIES = Gauge("aiserve_cache_entries", "Entries in the cache")
-VECTORS = Gauge("aiserve_cache_vectors", "Vectors in the semantic index")
-FEEDBACK = Counter("aiserve_cache_feedback_total", "Feedback on answers served from the cache", ["negative"])
-NEGATIVE_FEEDBACK = Counter("aiserve_cache_negative_feedback_total", "Cache hits later given negative feedback")
-FEEDBACK_SIMILARITY = Histogram("aiserve_cache_feedback_similarity", "Similarity of hits that got feedback",
-                                ["negative"], buckets=_SIMILARITY_BUCKETS)
 
 
 # --- pb <-> domain, in one place -----------------------------------------------------------
@@ -68,18 +55,27 @@ def hit_to_pb(hit: Hit) -> cache_pb2.LookupResponse:
     return reply
 
 
-class _StoreStream:
-    """What a Store stream has sent so far; checks order and size as messages arrive."""
+class _EndedEarly(InvalidArgument):
+    """A Store stream ended before its finish: the generation did not finish, or the client
+    cancelled (grpc ends a cancelled call's request stream the same way). Nothing is stored, and
+    no input was bad: counted as "abandoned", not "refused"."""
 
-    def __init__(self, header: cache_pb2.StoreHeader, max_entry_bytes: int) -> None:
+
+class _StoreStream:
+    """What a Store stream has sent so far; checks order and size as messages arrive. The query
+    is embedded (``embed``) while the generation is still streaming in."""
+
+    def __init__(self, header: cache_pb2.StoreHeader, max_entry_bytes: int,
+                 embed: Callable[[str], Coroutine[None, None, Vector | None]]) -> None:
         self.scope, self.prompt, self.query = scope_from_pb(header.scope), header.prompt, header.query
         self.ttl_s, self.max_entry_bytes = header.ttl_s, max_entry_bytes
         if not self.scope.model or not self.prompt:
             raise InvalidArgument("header: scope.model and prompt are required")
+        self.embedding: asyncio.Task[Vector | None] = asyncio.create_task(embed(self.query))
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.deltas: list[tuple[int, int]] = []
-        self.num_bytes = ExactCache.entry_bytes(self.prompt, self.query, "", 0, 0)
+        self.num_bytes = entry_bytes(self.prompt, self.query, "", 0, 0)
         self.finish: FinishReason | None = None
 
     def add(self, message: cache_pb2.StoreRequest) -> None:
@@ -91,7 +87,7 @@ class _StoreStream:
             self.texts.append(text)
             self.token_ids.extend(ids)
             self.deltas.append((len(text), len(ids)))
-            self.num_bytes += len(text.encode("utf-8")) + 4 * len(ids) + 8
+            self.num_bytes += entry_bytes("", "", text, len(ids), 1)
             if self.num_bytes > self.max_entry_bytes:
                 raise InvalidArgument(f"entry: over max_entry_bytes {self.max_entry_bytes}; nothing stored")
         elif part == "finish":
@@ -109,8 +105,8 @@ class _StoreStream:
 class CacheServicer(cache_pb2_grpc.CacheServicer):
     """Lookup, Store, Invalidate, ReportFeedback and Info over one SemanticCache."""
 
-    def __init__(self, cache: SemanticCache, embedder: Embedder, config: CacheConfig) -> None:
-        self._cache, self._embedder, self._config = cache, embedder, config
+    def __init__(self, cache: SemanticCache, embedder: Embedder, config: CacheConfig, metrics: CacheMetrics) -> None:
+        self._cache, self._embedder, self._config, self._metrics = cache, embedder, config, metrics
         self._vectors: OrderedDict[str, Vector | None] = OrderedDict()  # recent query -> vector
 
     async def _vector(self, query: str) -> Vector | None:
@@ -138,41 +134,31 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         if hit is None and request.query and (vector := await self._vector(request.query)) is not None:
             hit = await asyncio.to_thread(self._cache.lookup, scope, request.prompt, request.query, vector,
                                           min_similarity)
-        result = "miss" if hit is None else "hit"
-        LOOKUP_SECONDS.labels(result).observe(time.perf_counter() - started)
-        LOOKUPS.labels(result, "none" if hit is None else hit.tier).inc()
-        if hit is None:
-            return cache_pb2.LookupResponse(hit=False)
-        HIT_SIMILARITY.labels(hit.tier).observe(hit.similarity)
-        return hit_to_pb(hit)
+        self._metrics.count_lookup(None if hit is None else hit.tier, 0.0 if hit is None else hit.similarity,
+                                   time.perf_counter() - started)
+        return cache_pb2.LookupResponse(hit=False) if hit is None else hit_to_pb(hit)
 
     async def Store(  # noqa: N802
         self, request_iterator: AsyncIterator[cache_pb2.StoreRequest], context: aio.ServicerContext
     ) -> cache_pb2.StoreResponse:
         """Collect a streamed answer; commit it only after a storable finish and the end of the stream."""
         stream: _StoreStream | None = None
-        embedding: asyncio.Task[Vector | None] | None = None
         outcome = "abandoned"
         try:
             async for message in request_iterator:
                 if stream is None:
                     if message.WhichOneof("part") != "header":
                         raise InvalidArgument("header: the first message of a Store stream must be a header")
-                    stream = _StoreStream(message.header, self._config.max_entry_bytes)
-                    # Embed while the generation is still streaming in.
-                    embedding = asyncio.create_task(self._vector(stream.query))
+                    stream = _StoreStream(message.header, self._config.record.max_entry_bytes, self._vector)
                 else:
                     stream.add(message)
             if stream is None or stream.finish is None:
-                raise InvalidArgument("finish: the stream ended before the generation finished; nothing stored")
-            vector = await embedding if embedding is not None else None
-            entry = await asyncio.to_thread(
-                self._cache.store, stream.scope, stream.prompt, "".join(stream.texts), stream.token_ids,
-                stream.finish, query=stream.query, vector=vector, deltas=stream.deltas, ttl_s=stream.ttl_s or None)
+                raise _EndedEarly("finish: the stream ended before the generation finished; nothing stored")
+            entry = await self._commit(stream, stream.finish)
             outcome = "stored"
             return cache_pb2.StoreResponse(entry_id=entry.entry_id)
-        except InvalidArgument:
-            outcome = "refused"
+        except InvalidArgument as exc:
+            outcome = "abandoned" if isinstance(exc, _EndedEarly) else "refused"
             # Read the rest of the stream first (and drop it): answered while the client still
             # writes, the status races its next write, and the client may see that write fail
             # (INTERNAL "Internal error from Core") instead of the field that was refused.
@@ -180,9 +166,29 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
                 pass
             raise
         finally:
-            STORES.labels(outcome).inc()
-            if embedding is not None and not embedding.done():
-                embedding.cancel()
+            self._metrics.count_store(outcome)
+            if stream is not None and not stream.embedding.done():
+                stream.embedding.cancel()
+
+    async def _commit(self, stream: _StoreStream, finish: FinishReason) -> CacheEntry:
+        """Store a finished answer (in a worker thread: SQLite and faiss block).
+
+        grpc ends the request stream of a call the client cancelled as if the client had
+        half-closed it, and cancels this handler only afterwards; so a cancel that lands while
+        the commit runs waits for the commit and discards its entry: a cancelled Store keeps
+        nothing, whether or not its finish had arrived.
+        """
+        vector = await stream.embedding
+        commit = asyncio.ensure_future(asyncio.to_thread(
+            self._cache.store, stream.scope, stream.prompt, "".join(stream.texts), stream.token_ids, finish,
+            query=stream.query, vector=vector, deltas=stream.deltas, ttl_s=stream.ttl_s or None))
+        try:
+            return await asyncio.shield(commit)
+        except asyncio.CancelledError:
+            entry = await commit
+            await asyncio.to_thread(self._cache.discard, entry.entry_id)
+            log.info("cache_store_discarded", entry_id=entry.entry_id, reason="cancelled while committing")
+            raise
 
     async def Invalidate(  # noqa: N802
         self, request: cache_pb2.InvalidateRequest, context: aio.ServicerContext
@@ -205,14 +211,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             raise InvalidArgument("entry_id: required (LookupResponse.entry_id of the hit)")
         if not 0.0 <= request.similarity <= 1.0:
             raise InvalidArgument(f"similarity: must be in [0, 1], got {request.similarity}")
-        label = str(request.negative).lower()
-        FEEDBACK.labels(label).inc()
-        if request.negative:
-            NEGATIVE_FEEDBACK.inc()
-        if request.similarity:
-            FEEDBACK_SIMILARITY.labels(label).observe(request.similarity)
-        found, removed = await asyncio.to_thread(
-            self._cache.feedback, request.entry_id, request.negative, self._config.feedback_evict_after)
+        self._metrics.count_feedback(request.negative, request.similarity)
+        found, removed = await asyncio.to_thread(self._cache.feedback, request.entry_id, request.negative)
         log.info("cache_feedback", entry_id=request.entry_id, negative=request.negative, removed=removed)
         return cache_pb2.CacheFeedbackResponse(found=found, removed=removed)
 
@@ -220,53 +220,50 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         self, request: cache_pb2.CacheInfoRequest, context: aio.ServicerContext
     ) -> cache_pb2.CacheInfoResponse:
         """What this cache serves with."""
+        rule = self._cache.rule
         return cache_pb2.CacheInfoResponse(
-            embedding_model=self._embedder.model_id, similarity_threshold=self._cache.rule.threshold,
-            key_term_guard=self._cache.rule.use_guard, index_kind=self._config.index_kind,
-            entries=self._cache.num_entries, shared_across_tenants=self._config.shared_across_tenants)
+            embedding_model=self._embedder.model_id, similarity_threshold=rule.similarity_threshold,
+            key_term_guard=rule.key_term_guard, index_kind=self._config.index.index_kind,
+            entries=self._cache.num_entries, shared_across_tenants=self._config.record.shared_across_tenants)
 
 
-def _count_removal(reason: str, ids: Sequence[int]) -> None:
-    if reason != "replace":  # a replaced entry is not an eviction
-        EVICTIONS.labels(reason).inc(len(ids))
-
-
-def open_semantic_cache(config: CacheConfig, embedder_id: str, dim: int) -> SemanticCache:
+def open_semantic_cache(config: CacheConfig, embedder_id: str, dim: int, on_remove: RemovalHook) -> SemanticCache:
     """The SemanticCache ``config`` describes (blocking: opens SQLite, loads or rebuilds the index)."""
-    return SemanticCache(
-        config.resolved_db_path(), config.resolved_index_path(), dim=dim,
-        rule=MatchRule(config.similarity_threshold, config.key_term_guard, config.candidates),
-        ttl_s=config.ttl_s, max_entries=config.max_entries, max_entry_bytes=config.max_entry_bytes,
-        embedder_id=embedder_id, shared_across_tenants=config.shared_across_tenants,
-        index_params=config.index_params(), purge_old_versions=config.purge_old_versions,
-        on_remove=_count_removal)
+    return SemanticCache(config.resolved_db_path(), config.resolved_index_path(), dim=dim, record=config.record,
+                         rule=config.match_rule, index=config.index, embedder_id=embedder_id, on_remove=on_remove)
 
 
-async def create_server(config: CacheConfig, embedder: Embedder | None = None) -> ServiceHandle:
+async def create_server(
+    config: CacheConfig, embedder: Embedder | None = None, metrics: CacheMetrics | None = None
+) -> ServiceHandle:
     """Load and warm the embedding model (unless given), open the cache, build the (not yet
-    started) server; the handle's close snapshots the index and closes the file."""
+    started) server with its metrics in its own registry; the handle's close snapshots the
+    index and closes the file. ``embedder`` and ``metrics`` are given by tests."""
     faiss.omp_set_num_threads(config.index_threads)
     if embedder is None:
         embedder = await asyncio.to_thread(Embedder, config.embedding_device, config.embedding_threads)
     await asyncio.to_thread(embedder.encode_one, "warm-up")  # first forward pass allocates
-    cache = await asyncio.to_thread(open_semantic_cache, config, embedder.model_id, embedder.dim)
+    metrics = CacheMetrics() if metrics is None else metrics
+    cache = await asyncio.to_thread(open_semantic_cache, config, embedder.model_id, embedder.dim,
+                                    metrics.count_removal)
     try:
         handle = new_server("cache", [SERVICE_NAME], config.host, config.port)
     except BaseException:
         await asyncio.to_thread(cache.close)
         raise
-    cache_pb2_grpc.add_CacheServicer_to_server(CacheServicer(cache, embedder, config), handle.server)
-    ENTRIES.set_function(lambda: cache.num_entries)
-    VECTORS.set_function(lambda: cache.num_vectors)
+    servicer = CacheServicer(cache, embedder, config, metrics)
+    cache_pb2_grpc.add_CacheServicer_to_server(servicer, handle.server)
+    handle.servicer = servicer
+    metrics.register(handle.registry, cache)
 
     async def close() -> None:
         await asyncio.to_thread(cache.close)
 
     handle.on_close.append(close)
     log.info("cache_opened", path=str(config.resolved_db_path()), entries=cache.num_entries,
-             index=cache.index_source, embedding_model=embedder.model_id, threshold=config.similarity_threshold)
+             index=cache.index_source, embedding_model=embedder.model_id,
+             threshold=config.match_rule.similarity_threshold)
     return handle
-
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from services.cache.calibrate import ScoredPair, evaluate, load_pairs, recommend, score_pairs
-from services.cache.config import DEFAULT_SIMILARITY_THRESHOLD, CacheConfig
+from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD
+from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder
 
 
@@ -28,7 +29,7 @@ def test_the_labelled_set_is_large_and_covers_the_hard_cases() -> None:
 
 
 def test_the_default_threshold_keeps_false_hits_at_or_under_two_percent(scored: list[ScoredPair]) -> None:
-    assert CacheConfig().similarity_threshold == DEFAULT_SIMILARITY_THRESHOLD
+    assert CacheConfig().match_rule.similarity_threshold == DEFAULT_SIMILARITY_THRESHOLD
     m = evaluate(scored, DEFAULT_SIMILARITY_THRESHOLD, use_guard=True)
     assert m.false_hit_rate <= 0.02, m
     assert 1 - m.precision <= 0.02, m

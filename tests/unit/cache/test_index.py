@@ -8,7 +8,9 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-from services.cache.index import IndexParams, VectorIndex
+from aiserve.common.config import ConfigError
+from services.cache.component_config import IndexParams
+from services.cache.index import VectorIndex
 
 DIM = 16
 NS_A, NS_B = b"a" * 32, b"b" * 32
@@ -21,7 +23,7 @@ def unit(rng: np.random.Generator, n: int) -> npt.NDArray[np.float32]:
 
 @pytest.fixture(params=["flat", "hnsw"])
 def index(request: pytest.FixtureRequest) -> VectorIndex:
-    return VectorIndex(DIM, IndexParams(kind=request.param))
+    return VectorIndex(DIM, IndexParams(index_kind=request.param))
 
 
 def test_search_finds_the_vector_itself_with_similarity_one(index: VectorIndex) -> None:
@@ -66,11 +68,16 @@ def test_snapshot_round_trip_and_refusals(index: VectorIndex, tmp_path: Path) ->
 
     assert VectorIndex(DIM, index.params).load(tmp_path / "missing.faiss", fingerprint) == "missing"
     assert VectorIndex(DIM, index.params).load(path, (1, 2, 3)) == "stale"
-    other = "hnsw" if index.params.kind == "flat" else "flat"
-    assert VectorIndex(DIM, IndexParams(kind=other)).load(path, fingerprint) == "other_settings"
+    other = "hnsw" if index.params.index_kind == "flat" else "flat"
+    assert VectorIndex(DIM, IndexParams(index_kind=other)).load(path, fingerprint) == "other_settings"
     data = bytearray(path.read_bytes())
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
     assert VectorIndex(DIM, index.params).load(path, fingerprint) == "corrupt"
     path.write_bytes(b"not an index")
     assert VectorIndex(DIM, index.params).load(path, fingerprint) == "corrupt"
+
+
+def test_an_unknown_index_kind_is_refused() -> None:
+    with pytest.raises(ConfigError, match="^index_kind:"):
+        VectorIndex(DIM, IndexParams(index_kind="ivf"))

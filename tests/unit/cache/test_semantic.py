@@ -4,6 +4,9 @@ what survives a restart."""
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,14 +15,15 @@ import numpy.typing as npt
 import pytest
 
 from aiserve.common.errors import InvalidArgument
-from services.cache.exact import CacheScope
-from services.cache.index import IndexParams
-from services.cache.semantic import MatchRule, SemanticCache
-from tests.unit.cache.test_exact import Evictions, FakeClock
+from services.cache.component_config import IndexParams, MatchRule, RecordConfig
+from services.cache.entry import CacheScope
+from services.cache.semantic import SemanticCache
+from tests.unit.cache.support import Evictions, FakeClock
 
 DIM = 16
 SCOPE = CacheScope(model="smollm2-135m-instruct@0.1.2", tenant="acme", params="t=0")
-RULE = MatchRule(threshold=0.88)
+RULE = MatchRule(similarity_threshold=0.88)
+LIMITS = RecordConfig(ttl_s=60.0, max_entries=100, max_entry_bytes=4096)
 Q1, Q2 = "What is the capital of France?", "Which city is the capital of France?"
 
 _E0, _E1 = np.eye(DIM, dtype=np.float32)[0], np.eye(DIM, dtype=np.float32)[1]
@@ -37,11 +41,12 @@ class Opened:
     def __init__(self, tmp_path: Path, clock: FakeClock) -> None:
         self.tmp_path, self.clock, self.evictions = tmp_path, clock, Evictions()
 
-    def __call__(self, **options: object) -> SemanticCache:
-        settings: dict[str, object] = {"ttl_s": 60.0, "max_entries": 100, "max_entry_bytes": 4096,
-                                       "embedder_id": "mini@test", "rule": RULE} | options
-        return SemanticCache(self.tmp_path / "c.sqlite3", self.tmp_path / "c.faiss", dim=DIM, clock=self.clock,
-                             on_remove=self.evictions, **settings)  # type: ignore[arg-type]
+    def __call__(self, rule: MatchRule = RULE, index: IndexParams | None = None, **limits: object) -> SemanticCache:
+        """A SemanticCache on the test's files; ``limits`` override RecordConfig fields."""
+        return SemanticCache(self.tmp_path / "c.sqlite3", self.tmp_path / "c.faiss", dim=DIM,
+                             record=dataclasses.replace(LIMITS, **limits), rule=rule,  # type: ignore[arg-type]
+                             index=index or IndexParams(), embedder_id="mini@test", clock=self.clock,
+                             on_remove=self.evictions)
 
 
 @pytest.fixture
@@ -93,7 +98,7 @@ def test_the_key_term_guard_refuses_a_near_vector_with_another_fact(open_: Opene
     store(guarded)
     assert lookup(guarded, "What is the capital of Germany?", at(0.99)) is None
     guarded.close()
-    unguarded = open_(rule=MatchRule(threshold=0.88, use_guard=False))
+    unguarded = open_(rule=MatchRule(similarity_threshold=0.88, key_term_guard=False))
     try:
         assert lookup(unguarded, "What is the capital of Germany?", at(0.99)) is not None
     finally:
@@ -156,7 +161,7 @@ def test_a_new_model_version_makes_old_entries_unreachable_and_purges_them(cache
 def test_invalidate_and_feedback_remove_entries(cache: SemanticCache) -> None:
     entry_id = store(cache)
     store(cache, "other", at(0.1))
-    assert cache.feedback(entry_id, negative=True, evict_after=1) == (True, True)
+    assert cache.feedback(entry_id, negative=True) == (True, True)
     assert lookup(cache) is None
     assert cache.invalidate(scope=SCOPE) == 1
     assert cache.num_vectors == 0
@@ -167,8 +172,8 @@ def test_invalidate_and_feedback_remove_entries(cache: SemanticCache) -> None:
 @pytest.mark.parametrize("kind", ["flat", "hnsw"])
 @pytest.mark.parametrize("damage", ["none", "missing", "corrupt", "stale"])
 def test_entries_and_index_survive_a_restart(open_: Opened, kind: str, damage: str) -> None:
-    params = IndexParams(kind=kind)
-    cache = open_(index_params=params)
+    params = IndexParams(index_kind=kind)
+    cache = open_(index=params)
     store(cache)
     store(cache, "gone", at(0.3))
     cache.invalidate(entry_id=store(cache, "also gone", at(0.2)))
@@ -179,14 +184,28 @@ def test_entries_and_index_survive_a_restart(open_: Opened, kind: str, damage: s
     elif damage == "corrupt":
         index_file.write_bytes(index_file.read_bytes()[:-10])
     elif damage == "stale":  # the record moved on after the snapshot (a crash)
-        stale = open_(index_params=params)
+        stale = open_(index=params)
         stale.snapshot()
         store(stale, "late", at(0.4))
         stale.record.close()
-    reopened = open_(index_params=params)
+    reopened = open_(index=params)
     try:
         assert reopened.index_source == ("snapshot" if damage == "none" else f"rebuilt ({damage})")
         assert lookup(reopened, vector=at(0.95)) == pytest.approx(0.95, abs=1e-5)
         assert reopened.num_vectors == reopened.num_entries
     finally:
         reopened.close()
+
+
+def test_the_matching_logic_imports_neither_grpc_nor_torch() -> None:
+    """SemanticCache, the record and the tiers are core code: grpc stays in server.py, torch
+    in the embedding model (loaded by the service, not by the match rule). The settings import
+    neither faiss nor numpy."""
+    core = ("import sys; import services.cache.semantic, services.cache.exact, services.cache.record; "
+            "print(sorted(m for m in ('grpc', 'torch') if m in sys.modules))")
+    settings = ("import sys; import services.cache.config; "
+                "print(sorted(m for m in ('grpc', 'torch', 'faiss', 'numpy') if m in sys.modules))")
+    for program in (core, settings):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                              check=True, cwd=Path(__file__).resolve().parents[3])
+        assert done.stdout.strip() == "[]", (program, done.stdout, done.stderr)
