@@ -12,7 +12,7 @@ from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD, IndexP
 from services.cache.config import CacheConfig
 
 PUBLIC_SETTINGS = {
-    "host", "port", "metrics_port", "log_level", "grace_s", "db_path", "index_path",
+    "host", "port", "metrics_port", "log_level", "grace_s", "announce_fd", "db_path", "index_path",
     "ttl_s", "max_entries", "max_entry_bytes", "shared_across_tenants", "purge_old_versions", "feedback_evict_after",
     "similarity_threshold", "key_term_guard", "candidates",
     "index_kind", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search",
