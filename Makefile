@@ -33,6 +33,7 @@ run: model
 lint: protos
 	$(VENV)/bin/ruff check aiserve services suite tests scripts bench
 	$(VENV)/bin/mypy aiserve services suite
+	$(VENV)/bin/vulture
 
 test: model lint
 	$(PY) -m pytest -q -p no:cacheprovider tests

@@ -13,7 +13,7 @@ from contextvars import ContextVar
 REQUEST_ID_KEY = "x-request-id"
 TRACEPARENT_KEY = "traceparent"
 MAX_REQUEST_ID_CHARS = 128
-_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
+_REQUEST_ID_RE = re.compile(rf"^[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 
 request_id_var: ContextVar[str] = ContextVar("request_id", default="")
 traceparent_var: ContextVar[str] = ContextVar("traceparent", default="")
@@ -25,7 +25,8 @@ def mint_request_id() -> str:
 
 
 def is_valid_request_id(value: str) -> bool:
-    """1-128 printable ASCII characters without spaces (it goes into logs and headers)."""
+    """1 to ``MAX_REQUEST_ID_CHARS`` printable ASCII characters without spaces (it goes into
+    logs and headers)."""
     return bool(_REQUEST_ID_RE.match(value))
 
 

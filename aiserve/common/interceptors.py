@@ -20,6 +20,7 @@ from grpc import aio
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from aiserve.common.context import (
+    MAX_REQUEST_ID_CHARS,
     REQUEST_ID_KEY,
     TRACEPARENT_KEY,
     is_valid_request_id,
@@ -75,7 +76,7 @@ class _Call:
         if self.bad_request_id:
             self.code = grpc.StatusCode.INVALID_ARGUMENT
             await self.context.abort(
-                self.code, f"{REQUEST_ID_KEY}: must be 1-128 printable ASCII characters"
+                self.code, f"{REQUEST_ID_KEY}: must be 1-{MAX_REQUEST_ID_CHARS} printable ASCII characters"
             )
 
     async def fail(self, exc: BaseException) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from aiserve.common.errors import ApiError, ErrorKind, error_of
+from aiserve.common.errors import ErrorKind
 
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -33,7 +33,3 @@ def code_of_number(number: int) -> grpc.StatusCode:
     """The status code of a wire number; numbers gRPC does not know are UNKNOWN."""
     return _BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
 
-
-def error_of_status(code: grpc.StatusCode, message: str) -> ApiError:
-    """The ApiError a status stands for (OK has none: UNKNOWN)."""
-    return error_of(kind_of(code), message)

@@ -23,8 +23,6 @@ class LlamaConfig:
 
     model_type: str
     vocab_size: int
-    hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
@@ -52,8 +50,6 @@ class LlamaConfig:
         return cls(
             model_type=model_type,
             vocab_size=int(data["vocab_size"]),
-            hidden_size=int(data["hidden_size"]),
-            intermediate_size=int(data["intermediate_size"]),
             num_layers=int(data["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(data.get("num_key_value_heads") or heads),

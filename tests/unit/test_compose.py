@@ -126,7 +126,7 @@ def test_every_service_shares_the_volume_at_data(compose: dict[str, Any]) -> Non
 def test_dockerfile_base_image_is_pinned(dockerfile: str) -> None:
     froms = re.findall(r"^FROM\s+(\S+)", dockerfile, flags=re.MULTILINE)
     assert froms == ["python:3.11.7-slim-bookworm"]
-    image, _, tag = froms[0].partition(":")
+    _, _, tag = froms[0].partition(":")
     assert tag and "latest" not in tag
     assert re.match(r"^3\.11\.\d+-", tag), tag
 
