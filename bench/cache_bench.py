@@ -15,8 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Sequence
@@ -28,6 +26,7 @@ import numpy as np
 
 from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
+from bench.measure import machine, percentiles
 from services.cache.calibrate import ScoredPair, load_pairs, score_pairs
 from services.cache.component_config import IndexParams, MatchRule, RecordConfig
 from services.cache.config import CacheConfig
@@ -38,20 +37,6 @@ from suite.runner import Suite, SuiteConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SCOPE = CacheScope(model="smollm2-135m-instruct@0.1.2", tenant="bench", params="greedy")
-
-
-def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
-    ordered = sorted(samples_ms)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"p50_ms": round(pick(0.50), 3), "p99_ms": round(pick(0.99), 3),
-            "mean_ms": round(statistics.fmean(ordered), 3), "n": len(ordered)}
-
-
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"platform": platform.platform(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "load_average": os.getloadavg()}
 
 
 def open_cache(folder: Path, kind: str, threshold: float) -> SemanticCache:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from aiserve.common.config import load_config
-from bench.engine_bench import sweep_engine, sweep_settings
+from bench.sweep import sweep_engine, sweep_settings
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.engine_build import build_engine

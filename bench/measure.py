@@ -1,0 +1,77 @@
+"""What every benchmark measures with: the machine it ran on, latency percentiles, a stream's
+timing (first token, gaps, time per output token), and the median of repeated runs."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
+    ordered = sorted(samples_ms)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50_ms": round(pick(0.50), 3), "p99_ms": round(pick(0.99), 3),
+            "mean_ms": round(statistics.fmean(ordered), 3), "n": len(ordered)}
+
+
+_CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+"""The CPU flags that decide which kernels run (bf16 is emulated without avx512_bf16/amx)."""
+
+
+def machine() -> dict[str, Any]:
+    """The machine a benchmark ran on: CPU model and the flags that matter, cores, load."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+               platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return {"platform": platform.platform(), "cpu": cpu, "cpu_flags": [f for f in _CPU_FLAGS if f in flags],
+            "cores": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()}
+
+
+@dataclass
+class Timing:
+    tokens: int = 0
+    ttft_ms: float = 0.0
+    gaps_ms: list[float] = field(default_factory=list)
+    """Between messages: with speculative decoding a message may carry several tokens."""
+    total_ms: float = 0.0
+    decode_ms: float = 0.0
+    """From the first token to the last."""
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for one token."""
+        return self.decode_ms / (self.tokens - 1) if self.tokens > 1 else None
+
+
+def tpot(timings: Sequence[Timing]) -> dict[str, float]:
+    """Percentiles over requests of their time per output token."""
+    return percentiles([t.tpot_ms for t in timings if t.tpot_ms is not None] or [0.0])
+
+
+async def consume(call: Any, started: float, count: Any) -> Timing:
+    timing, last = Timing(), started
+    async for message in call:
+        n = count(message)
+        if n:
+            now = time.perf_counter()
+            if not timing.tokens:
+                timing.ttft_ms = (now - started) * 1000
+            else:
+                timing.gaps_ms.append((now - last) * 1000)
+            last, timing.tokens = now, timing.tokens + n
+    timing.total_ms = (time.perf_counter() - started) * 1000
+    timing.decode_ms = (last - started) * 1000 - timing.ttft_ms if timing.tokens else 0.0
+    return timing
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput, plus every run's throughput (``runs_tokens_per_s``)."""
+    ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
+    return {**ordered[len(ordered) // 2], "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs]}

@@ -1,0 +1,84 @@
+"""The engine as a client sees it: a suite of the four services, called through the gateway (text
+in) or straight at the inference service (ids in), on an arrival schedule."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from grpc import aio
+
+from aiserve.store import ModelStore
+from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from bench.measure import Timing, consume, percentiles, tpot
+from bench.workload import Arrival
+from suite.runner import Suite, SuiteConfig
+
+TIMEOUT_S = 900
+
+
+class Served:
+    """Calls the running suite: through the gateway (text in) or straight to inference (ids in)."""
+
+    def __init__(self, suite: Suite, key: str) -> None:
+        self.suite, self.key = suite, key
+
+    async def one(self, a: Arrival, via: str, channel: aio.Channel) -> Timing:
+        started = time.perf_counter()
+        if via == "gateway":
+            request = gateway_pb2.GenerateRequest(
+                sampling=common_pb2.SamplingParams(max_new_tokens=a.max_new, temperature=0.0),
+                cache=gateway_pb2.CACHE_POLICY_BYPASS)
+            request.chat.messages.add(role="user", content=a.text)
+            call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+                request, timeout=TIMEOUT_S, metadata=(("authorization", f"Bearer {self.key}"),))
+            return await consume(call, started, lambda m: len(m.token_ids))
+        decoding = inference_pb2.Decoding(max_new_tokens=a.max_new)
+        call = inference_pb2_grpc.InferenceStub(channel).Generate(
+            inference_pb2.InferenceRequest(prompt_token_ids=a.prompt_ids, decoding=decoding), timeout=TIMEOUT_S)
+        return await consume(call, started, lambda m: len(m.token_ids))
+
+    async def run(self, work: Sequence[Arrival], via: str, concurrency: int | None = None) -> dict[str, Any]:
+        gate = asyncio.Semaphore(concurrency or len(work))
+        async with aio.insecure_channel(self.suite.config.address(via)) as channel:
+            t0 = time.perf_counter()
+
+            async def at(a: Arrival) -> Timing:
+                await asyncio.sleep(max(0.0, a.at_s - (time.perf_counter() - t0)))  # the arrival schedule
+                async with gate:
+                    timing = await self.one(a, via, channel)
+                timing.ttft_ms += (time.perf_counter() - t0 - a.at_s) * 1000 - timing.total_ms  # queue at the gate
+                return timing
+
+            timings = await asyncio.gather(*(at(a) for a in work))
+            seconds = time.perf_counter() - t0
+        tokens = sum(t.tokens for t in timings)
+        return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                "ttft": percentiles([t.ttft_ms for t in timings]),
+                "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
+                "time_per_token": tpot(timings)}
+
+
+async def start_suite(home: Path, store: ModelStore, env: dict[str, str] | None = None) -> Suite:
+    """The four services on free ports under ``home``, over ``store``, with settings ``env``."""
+    config = SuiteConfig.for_tests(home)
+    config.extra_env.update({"AISERVE_MODEL_STORE": str(store.root), **(env or {})})
+    suite = Suite(config)
+    try:
+        await suite.start(timeout_s=300)
+    except BaseException:
+        suite.stop()
+        raise
+    return suite
+
+
+async def speculation_stats(suite: Suite) -> dict[str, Any]:
+    """Drafted and confirmed tokens since the inference service started (its Stats RPC)."""
+    async with aio.insecure_channel(suite.config.address("inference")) as channel:
+        s = await inference_pb2_grpc.InferenceStub(channel).Stats(inference_pb2.InferenceStatsRequest(), timeout=30)
+    return {"draft_tokens": s.num_draft_tokens, "accepted_draft_tokens": s.num_accepted_draft_tokens,
+            "generated_tokens": s.num_generated_tokens, "steps": s.num_steps,
+            "acceptance": s.num_accepted_draft_tokens / max(s.num_draft_tokens, 1)}
