@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 from grpc import aio
 
+from aiserve.common.context import AUTHORIZATION_KEY, REQUEST_ID_KEY
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
@@ -30,7 +31,7 @@ async def chat(address: str, prompt: str, max_new_tokens: int, raw: bool, timeou
     first_ms = 0.0
     async with aio.insecure_channel(address) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
-            request, timeout=timeout_s, metadata=(("x-request-id", request_id), ("authorization", f"Bearer {key}"))
+            request, timeout=timeout_s, metadata=((REQUEST_ID_KEY, request_id), (AUTHORIZATION_KEY, f"Bearer {key}"))
         )
         try:
             async for message in call:

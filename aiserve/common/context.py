@@ -11,6 +11,7 @@ import uuid
 from contextvars import ContextVar
 
 REQUEST_ID_KEY = "x-request-id"
+AUTHORIZATION_KEY = "authorization"
 TRACEPARENT_KEY = "traceparent"
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_RE = re.compile(rf"^[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}$")

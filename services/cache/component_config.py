@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiserve.common.config import require
+from aiserve.common.protocol import MAX_MESSAGE_BYTES
 
 DEFAULT_SIMILARITY_THRESHOLD = 0.88
 """Measured with ``python -m services.cache.calibrate`` on services/cache/data/cache_pairs.jsonl:
@@ -44,8 +45,8 @@ class RecordConfig:
         require(self.ttl_s > 0, f"ttl_s: must be > 0 seconds, got {self.ttl_s}")
         require(1 <= self.max_entries <= 100_000_000,
                 f"max_entries: must be 1..100000000, got {self.max_entries}")
-        require(1024 <= self.max_entry_bytes <= 64 << 20,
-                f"max_entry_bytes: must be 1024..{64 << 20} (64 MiB), got {self.max_entry_bytes}")
+        require(1024 <= self.max_entry_bytes <= MAX_MESSAGE_BYTES,  # a hit is returned in one message
+                f"max_entry_bytes: must be 1024..{MAX_MESSAGE_BYTES} (64 MiB), got {self.max_entry_bytes}")
         require(self.feedback_evict_after >= 0, f"feedback_evict_after: must be >= 0, got {self.feedback_evict_after}")
 
 

@@ -12,7 +12,7 @@ from contextlib import aclosing
 
 from grpc import aio
 
-from aiserve.common.context import current_request_id, traceparent_var
+from aiserve.common.context import AUTHORIZATION_KEY, current_request_id, traceparent_var
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -37,7 +37,7 @@ log = get_logger("gateway")
 
 
 def _authorization(context: aio.ServicerContext) -> str:
-    return next((str(v) for k, v in context.invocation_metadata() or () if k == "authorization"), "")
+    return next((str(v) for k, v in context.invocation_metadata() or () if k == AUTHORIZATION_KEY), "")
 
 
 def _log_finished(final: Final) -> None:
