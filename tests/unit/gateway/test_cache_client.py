@@ -25,6 +25,7 @@ class Seen:
     lookups: list[cache_pb2.LookupRequest] = field(default_factory=list)
     stores: list[list[cache_pb2.StoreRequest]] = field(default_factory=list)
     header: asyncio.Event = field(default_factory=asyncio.Event)
+    delta: asyncio.Event = field(default_factory=asyncio.Event)
     store_ended: asyncio.Event = field(default_factory=asyncio.Event)
     feedback: list[cache_pb2.CacheFeedbackRequest] = field(default_factory=list)
 
@@ -56,7 +57,7 @@ class FakeCache(cache_pb2_grpc.CacheServicer):
         try:
             async for request in requests:
                 received.append(request)
-                self.seen.header.set()
+                (self.seen.delta if request.WhichOneof("part") == "delta" else self.seen.header).set()
         finally:
             self.seen.store_ended.set()  # a cancelled call ends the request stream too
         if received[0].header.prompt == "REFUSE":
@@ -121,7 +122,7 @@ async def test_an_aborted_store_ends_the_call_without_a_finish(cache: tuple[Cach
     client, seen = cache
     store = client.open_store(KEY, TIMEOUT_S)
     store.add(Chunk("Par", (1,)))
-    await asyncio.wait_for(seen.header.wait(), TIMEOUT_S)  # the call is open on the cache
+    await asyncio.wait_for(seen.delta.wait(), TIMEOUT_S)  # the call is open on the cache, the delta arrived
     store.abort()
     await asyncio.wait_for(seen.store_ended.wait(), TIMEOUT_S)
     assert await store.commit(FinishReason.STOP) == ""  # too late: nothing is sent any more
