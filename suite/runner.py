@@ -171,14 +171,16 @@ class Suite:
 
     async def start(self, timeout_s: float = 300) -> None:
         """Create the development tenant's key (first start only), start tokenizer, inference and
-        cache, then the gateway with their addresses; return when all four are SERVING."""
+        cache, then the gateway with their addresses (at once where their ports are fixed, once
+        they announced them where they bind port 0); return when all four are SERVING."""
         self.config.home.mkdir(parents=True, exist_ok=True)
         ensure_dev_key(self.config.home)
         deadline = asyncio.get_running_loop().time() + timeout_s
         try:
             for name in BACKENDS:
                 self.start_service(name)
-            await self.wait_bound(BACKENDS, timeout_s)
+            # The gateway needs the backends' addresses: wait only for those bound to port 0.
+            await self.wait_bound(tuple(name for name in BACKENDS if not self.config.ports[name]), timeout_s)
             self.start_service("gateway")
             await self.wait_serving(SERVICES, max(deadline - asyncio.get_running_loop().time(), 1.0))
         except BaseException:
