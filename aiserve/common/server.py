@@ -1,8 +1,12 @@
-"""Server plumbing shared by the four services: health, reflection, metrics, graceful stop.
+"""Server plumbing shared by the four services: health, status, reflection, metrics, graceful stop.
 
 A service's ``create_server(config)`` calls ``new_server`` and registers its servicer; its
-``main()`` calls ``serve``. Health stays NOT_SERVING until the service says it is warm, and goes
-back to NOT_SERVING on SIGTERM/SIGINT, before in-flight RPCs get ``grace_s`` to finish.
+``main()`` calls ``serve``. Health stays NOT_SERVING until the service says it is warm; then
+either it is SERVING for good, or the service's own ``health_loop`` (inference: its probe;
+gateway: its backends) sets it for as long as the service runs. On SIGTERM/SIGINT it goes back
+to NOT_SERVING ("draining") before in-flight RPCs get ``grace_s`` to finish. Every change is
+logged with its reason and exported as ``aiserve_serving``; ``aiserve.v1.Status`` tells the
+reason and the figures behind it.
 """
 
 from __future__ import annotations
@@ -11,20 +15,22 @@ import asyncio
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import GCCollector, PlatformCollector, ProcessCollector, start_http_server
+from prometheus_client import Gauge, GCCollector, PlatformCollector, ProcessCollector, start_http_server
 from prometheus_client.registry import CollectorRegistry
 
 from aiserve.common.interceptors import RpcMetrics, ServerInterceptor
 from aiserve.common.logging import get_logger
 from aiserve.common.protocol import MAX_MESSAGE_BYTES
+from aiserve.v1 import status_pb2, status_pb2_grpc
 
 log = get_logger("server")
 
@@ -35,6 +41,11 @@ _OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
 ]
+
+
+StatusFigures = Callable[[], status_pb2.ServiceStatus]
+"""A service's own figures for its Status rpc (model, queue, batch, KV); the plumbing fills in
+the service name, state, reason, resident memory and uptime."""
 
 
 @dataclass
@@ -57,29 +68,93 @@ class ServiceHandle:
     on_stopping: list[Callable[[], None]] = field(default_factory=list)
     """Run when stopping begins, before in-flight RPCs get their grace period (e.g. tell
     long-lived multiplexed calls to take no new work and end)."""
+    health_loop: Callable[[], Coroutine[Any, Any, None]] | None = None
+    """Owns the health status from ``begin_serving`` until stopping (it calls ``set_serving``
+    as long as it runs); None = SERVING from ``begin_serving`` on."""
+    figures: StatusFigures | None = None
+    """The service's own part of its Status rpc (None: only state, memory and uptime)."""
+    is_serving: bool = False
+    reason: str = "starting"
+    """Why it is not SERVING ("" while it is)."""
+    started_at: float = field(default_factory=time.monotonic)
+    _is_stopping: bool = False
+    _health_task: asyncio.Task[None] | None = None
 
-    async def set_serving(self, serving: bool) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if serving
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
+    def __post_init__(self) -> None:
+        self._serving_gauge = Gauge("aiserve_serving", "1 while grpc.health.v1 reports SERVING",
+                                    registry=self.registry)
+
+    async def set_serving(self, serving: bool, reason: str = "") -> None:
+        """Report SERVING or NOT_SERVING (with ``reason``) on every health name; once stopping,
+        always NOT_SERVING ("draining")."""
+        if self._is_stopping:
+            serving, reason = False, "draining"
+        reason = "" if serving else (reason or "not serving")
+        if (serving, reason) != (self.is_serving, self.reason):
+            log.info("health_changed", service=self.name, serving=serving, reason=reason)
+        self.is_serving, self.reason = serving, reason
+        self._serving_gauge.set(1 if serving else 0)
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in ("", *self.service_names):
             await self.health.set(name, status)
 
     async def start(self) -> None:
         # grpc's HealthServicer reports "" as SERVING from birth; stay NOT_SERVING until warm.
-        await self.set_serving(False)
+        await self.set_serving(False, "starting")
         await self.server.start()
+        self.started_at = time.monotonic()
+
+    async def begin_serving(self) -> None:
+        """The service is warm: SERVING now, or from here on whatever its ``health_loop`` says."""
+        if self.health_loop is None:
+            await self.set_serving(True)
+        elif self._health_task is None:
+            self._health_task = asyncio.get_running_loop().create_task(self.health_loop())
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight RPCs finish for up to ``grace_s``, release resources."""
-        await self.set_serving(False)
+        self._is_stopping = True
+        if (task := self._health_task) is not None:
+            self._health_task = None
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self.set_serving(False, "draining")
         for stopping in self.on_stopping:
             stopping()
         await self.server.stop(grace_s)
         for close in reversed(self.on_close):
             await close()
+
+    def status(self) -> status_pb2.ServiceStatus:
+        """This service's Status: its own figures, then state, reason, memory and uptime."""
+        report = self.figures() if self.figures is not None else status_pb2.ServiceStatus()
+        report.service = self.name
+        report.state = status_pb2.SERVING_STATE_SERVING if self.is_serving else status_pb2.SERVING_STATE_NOT_SERVING
+        report.reason = self.reason
+        report.rss_bytes = rss_bytes()
+        report.uptime_s = max(0.0, time.monotonic() - self.started_at)
+        return report
+
+
+class StatusServicer(status_pb2_grpc.StatusServicer):
+    """``aiserve.v1.Status`` of one server (its ``ServiceHandle.status``)."""
+
+    def __init__(self, handle: ServiceHandle) -> None:
+        self._handle = handle
+
+    async def GetStatus(  # noqa: N802 - gRPC method name
+        self, request: status_pb2.StatusRequest, context: aio.ServicerContext
+    ) -> status_pb2.ServiceStatus:
+        return self._handle.status()
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def new_server(name: str, service_names: Sequence[str], host: str, port: int) -> ServiceHandle:
@@ -95,12 +170,14 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-             reflection.SERVICE_NAME)
+             status_pb2.DESCRIPTOR.services_by_name["Status"].full_name, reflection.SERVICE_NAME)
     reflection.enable_server_reflection(names, server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"{name}: cannot bind {host}:{port}")
-    return ServiceHandle(name, server, health_servicer, bound, tuple(service_names), registry, rpc_metrics)
+    handle = ServiceHandle(name, server, health_servicer, bound, tuple(service_names), registry, rpc_metrics)
+    status_pb2_grpc.add_StatusServicer_to_server(StatusServicer(handle), server)
+    return handle
 
 
 def announce_port(fd: int, port: int) -> None:
@@ -140,7 +217,7 @@ async def serve(
     announce_port(announce_fd, handle.port)
     if warmup is not None:
         await warmup()
-    await handle.set_serving(True)
+    await handle.begin_serving()
     log.info("serving", service=handle.name, port=handle.port)
     await stop.wait()
     log.info("stopping", service=handle.name, grace_s=grace_s)

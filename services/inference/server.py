@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -14,7 +13,7 @@ from prometheus_client.registry import Collector
 from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
-from aiserve.common.server import ServiceHandle, new_server, run_service
+from aiserve.common.server import ServiceHandle, new_server, rss_bytes, run_service
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
 from services.inference.batch_engine import BatchEngine
@@ -30,15 +29,6 @@ from services.inference.torch_thread import in_fresh_thread
 log = get_logger("inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-
-
-def rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
 
 
 class EngineCollector(Collector):
