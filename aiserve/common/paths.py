@@ -26,6 +26,9 @@ CACHE_DB_FILE = "cache/cache.sqlite3"
 """The semantic cache's record; its index snapshot lies beside it (suffix ``.faiss``)."""
 DEV_KEY_FILE = "dev.key"
 """The development tenant's API key, written when the local suite first starts."""
+ADMIN_KEY_FILE = "admin.key"
+"""The operator's key for the gateway's Admin service (``aiserve status``), written when the
+local suite first starts; the gateway reads it, tenants never see it."""
 
 
 def aiserve_home(environ: Mapping[str, str] | None = None) -> Path:
