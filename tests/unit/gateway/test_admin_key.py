@@ -5,6 +5,7 @@ from __future__ import annotations
 import stat
 from pathlib import Path
 
+from aiserve.common.paths import ADMIN_KEY_FILE, home_file
 from services.gateway.admin_key import ensure_admin_key, is_admin_key, matches, read_admin_key
 
 
@@ -28,3 +29,7 @@ def test_matching_is_exact() -> None:
     key = "aisadm_" + "ab" * 32
     assert matches(key, key)
     assert not matches(key[:-1] + "c", key) and not matches("", key)
+
+
+def test_the_default_key_file_is_admin_key_under_the_home(tmp_path: Path) -> None:
+    assert home_file("", ADMIN_KEY_FILE, {"AISERVE_HOME": str(tmp_path)}) == tmp_path / "admin.key"
