@@ -6,7 +6,9 @@ engine lock) and awaits its events. One worker thread loops schedule -> execute 
 model runs outside the lock, so new requests queue while a step computes and join the batch at
 the next step. Each event goes back to the caller's loop with ``call_soon_threadsafe``.
 Cancelling a caller's iteration aborts its sequence at the start of the next step, freeing
-its KV slot; a failed step frees the slots of the sequences it held.
+its KV slot; a failed step frees the slots of the sequences it held, is counted, and wakes
+whoever watches ``step_errors``. ``probe`` runs one token through the model between two steps,
+on a scratch slot of its own (health_probe.py), for the service's health loop.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger
 from services.inference.engine_config import EngineConfig
 from services.inference.engine_stats import EngineStats, engine_stats
+from services.inference.health_probe import LoopWakers, ModelProbe, ProbeCall, ProbeCalls, settle_all
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.prefix_index import PrefixIndex
@@ -53,17 +56,21 @@ class BatchEngine:
         prefix = PrefixIndex(plan.num_blocks, plan.block_size) if plan.num_blocks else None
         self.scheduler = Scheduler(config.scheduler, plan.num_slots, plan.slot_len, prefix)
         self.runner = ModelRunner(model, self.cache)
+        self._probe = ModelProbe(model)
         self._lock = threading.Condition()
         self._records: dict[Seq, RequestRecord] = {}
         self._aborts: list[Seq] = []
+        self._probes = ProbeCalls()  # asked for, not yet run (under the lock)
+        self._error_watchers = LoopWakers()
         self._is_accepting, self._is_stopping = True, False
         self._thread: threading.Thread | None = None
-        self._num_steps = self._num_generated = 0
+        self._num_steps = self._num_generated = self._num_requests = self._num_step_errors = 0
 
     def stats(self) -> EngineStats:
         """A snapshot of the batch, the queue, the KV cache and the totals (no torch work)."""
         with self._lock:
-            return engine_stats(self.scheduler, self.cache, self._num_steps, self._num_generated)
+            return engine_stats(self.scheduler, self.cache, self._num_steps, self._num_generated,
+                                self._num_requests, self._num_step_errors)
 
     def start(self) -> None:
         """Start the worker thread (idempotent)."""
@@ -114,6 +121,28 @@ class BatchEngine:
 
         return cancel
 
+    async def probe(self, timeout_s: float) -> float:
+        """Run one token through the model between two steps; returns the seconds from the ask
+        to the answer (a step in flight counts). Raises what the forward raised, ProbeFailed
+        (unusable logits), TimeoutError (past ``timeout_s``) or Unavailable (not running).
+
+        It never waits behind the queue, takes no KV slot and preempts no sequence: the worker
+        runs it as soon as its current step ends, on a scratch slot of its own."""
+        started = time.perf_counter()
+        with self._lock:
+            if self._thread is None or self._is_stopping:
+                raise Unavailable("inference engine is not running")
+            done = self._probes.ask()
+            self._lock.notify_all()
+        await asyncio.wait_for(done, timeout_s)
+        return time.perf_counter() - started
+
+    def step_errors(self) -> asyncio.Event:
+        """An event set on the calling loop after every failed step (the caller clears it), so
+        a health loop can probe at once; ``stats().num_step_errors`` counts the failures."""
+        with self._lock:
+            return self._error_watchers.add()
+
     async def wait_idle(self, timeout_s: float) -> bool:
         """Wait (on the engine's condition, no polling) until nothing is queued or running."""
         def wait() -> bool:
@@ -132,6 +161,7 @@ class BatchEngine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
         with self._lock:
+            settle_all(self._probes.take(), Unavailable("inference is stopping"))
             for seq, record in list(self._records.items()):
                 was_waiting = seq.slot is None
                 self.scheduler.abort(seq)
@@ -160,6 +190,7 @@ class BatchEngine:
                 raise Unavailable("inference is draining; retry on another replica")
             self.scheduler.add(seq)  # ResourceExhausted when the queue is full
             self._records[seq] = record
+            self._num_requests += 1
             self._lock.notify_all()
         return record
 
@@ -189,7 +220,11 @@ class BatchEngine:
         except Exception:  # noqa: BLE001
             log.exception("prepare_kernels_failed")
         with torch.inference_mode():
-            while self._wait_for_work():
+            while (work := self._wait_for_work()) is not None:
+                probes, is_step_due = work
+                self._run_probe(probes)
+                if not is_step_due:
+                    continue
                 try:
                     self._step()
                 except Exception as exc:  # noqa: BLE001 - a bug: fail what runs, keep serving
@@ -198,19 +233,32 @@ class BatchEngine:
                         failed = self.scheduler.fail(SchedulerOutput(), everything=True)
                     self._fail(failed, exc)
 
-    def _wait_for_work(self) -> bool:
-        """Apply pending aborts; block until a step has work. False once stopping."""
+    def _wait_for_work(self) -> tuple[list[ProbeCall], bool] | None:
+        """Apply pending aborts; block until a probe is asked for or a step has work. Returns
+        the probes to run and whether a step is due; None once stopping."""
         with self._lock:
             while not self._is_stopping:
                 for seq in self._aborts:
                     self.scheduler.abort(seq)
                 self._aborts.clear()
                 wait_s = self.scheduler.wait_s()
-                if wait_s == 0.0:
-                    return True
+                if wait_s == 0.0 or self._probes:
+                    return self._probes.take(), wait_s == 0.0
                 self._lock.notify_all()  # wake wait_idle
                 self._lock.wait(wait_s)
-            return False
+            return None
+
+    def _run_probe(self, probes: list[ProbeCall]) -> None:
+        """One probe forward for everyone who asked since the last one and still waits."""
+        waiting = [(loop, future) for loop, future in probes if not future.done()]
+        if not waiting:
+            return
+        outcome: BaseException | None = None
+        try:
+            self._probe.run()
+        except Exception as exc:  # noqa: BLE001 - the probe's verdict, reported to its askers
+            outcome = exc
+        settle_all(waiting, outcome)
 
     def _step(self) -> None:
         """One step: schedule (lock held), execute (lock free: requests queue meanwhile), account."""
@@ -262,9 +310,12 @@ class BatchEngine:
             record.post(record.event((), FinishReason.CANCELLED))
 
     def _fail(self, failed: list[Seq], exc: Exception) -> None:
-        """Fail the requests of ``failed`` sequences with the step's error."""
+        """Fail the requests of ``failed`` sequences with the step's error; count the failed
+        step and wake the ``step_errors`` watchers."""
         with self._lock:
             for seq in failed:
                 if (record := self._records.pop(seq, None)) is not None:
                     record.post(RuntimeError(f"generation failed: {exc}"))
+            self._num_step_errors += 1
+            self._error_watchers.wake_all()
             self._lock.notify_all()

@@ -10,6 +10,7 @@ from aiserve.common.config import ServiceConfig, require
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 from services.inference.engine_config import EngineConfig
+from services.inference.health import HealthConfig
 
 DTYPES = ("bfloat16", "float32", "float16")
 MATMUL_DTYPES = ("auto", *DTYPES)
@@ -40,6 +41,9 @@ class InferenceConfig(ServiceConfig):
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings (scheduler, KV cache, limits), given by their own flat names:
     ``max_num_seqs``, ``kv_cache_bytes``, ... (services/inference/engine_config.py)."""
+    health: HealthConfig = field(default_factory=HealthConfig)
+    """How the service checks itself, by flat names too: ``health_probe_interval_s``,
+    ``health_probe_timeout_s``, ``min_free_memory_bytes``, ``fault_file`` (services/inference/health.py)."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -53,6 +57,7 @@ class InferenceConfig(ServiceConfig):
         require(self.matmul_dtype in MATMUL_DTYPES,
                 f"matmul_dtype: must be one of {'|'.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
         self.engine.validate()
+        self.health.validate()
 
     def model_store_path(self) -> Path:
         """The store folder this config names, with "" resolved to the suite's default."""

@@ -1,7 +1,11 @@
-"""The inference gRPC service: a thin servicer over the batching engine, plus create_server and main."""
+"""The inference gRPC service: a thin servicer over the batching engine, plus create_server and main.
+
+Its health is SERVING only while its checks pass (health.py: the engine's probe, free memory);
+its Status rpc reports the model, the queue, the batch and the KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 
@@ -15,12 +19,14 @@ from aiserve.common.interceptors import RpcMetrics
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, rss_bytes, run_service
 from aiserve.store import ModelRef, ModelStore
-from aiserve.v1 import inference_pb2, inference_pb2_grpc
+from aiserve.v1 import inference_pb2, inference_pb2_grpc, status_pb2
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.engine_build import build_engine
 from services.inference.engine_stats import EngineStats
 from services.inference.generate_mux_server import MuxCall
+from services.inference.health import InferenceHealth, free_memory_bytes
+from services.inference.health_probe import device_free_bytes
 from services.inference.messages import from_pb, to_pb
 from services.inference.model import ModelInfo
 from services.inference.request import GenerateRequest
@@ -70,7 +76,7 @@ def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.In
         prefix_lookups=s.prefix_lookups, prefix_hits=s.prefix_hits, prefix_hit_tokens=s.prefix_hit_tokens,
         num_steps=s.num_steps, num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
         max_num_seqs=max_num_seqs, num_draft_tokens=s.num_draft_tokens,
-        num_accepted_draft_tokens=s.num_accepted_draft_tokens,
+        num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_requests=s.num_requests,
     )
 
 
@@ -83,6 +89,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.metrics = metrics
         self._muxes: set[MuxCall] = set()
         self._is_stopping = False
+        self._requests_before = engine.stats().num_requests  # the warm-up's: not the clients'
+        self.health: InferenceHealth | None = None
+        """The service's health loop (set by create_server; tests run a check of their own)."""
 
     def stop_muxes(self) -> None:
         """The service is stopping: GenerateMux calls refuse new streams (UNAVAILABLE) and end
@@ -135,7 +144,16 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self, request: inference_pb2.InferenceStatsRequest, context: aio.ServicerContext
     ) -> inference_pb2.InferenceStats:
         """A snapshot of the engine (batch, queue, KV, prefix reuse, totals); no model work."""
-        return stats_to_pb(self.engine.stats(), self.engine.scheduler.capacity, rss_bytes())
+        s = self.engine.stats()
+        s = dataclasses.replace(s, num_requests=s.num_requests - self._requests_before)
+        return stats_to_pb(s, self.engine.scheduler.capacity, rss_bytes())
+
+    def figures(self) -> status_pb2.ServiceStatus:
+        """This service's part of its Status rpc: the model, the queue, the batch, the KV cache."""
+        s = self.engine.stats()
+        return status_pb2.ServiceStatus(model=str(self.model.ref), queue_length=s.num_waiting,
+                                        running=s.num_running, kv_used_bytes=s.kv_used_bytes,
+                                        kv_total_bytes=s.kv_total_bytes)
 
 
 async def warm_up(engine: BatchEngine) -> None:
@@ -165,9 +183,14 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     servicer = InferenceServicer(engine, model, handle.rpc_metrics)
     inference_pb2_grpc.add_InferenceServicer_to_server(servicer, handle.server)
     handle.servicer = servicer
+    handle.figures = servicer.figures
     handle.on_stopping.append(servicer.stop_muxes)
     handle.on_close.append(engine.stop)
     handle.registry.register(EngineCollector(engine))
+    health = InferenceHealth(config.health, engine.probe,
+                             lambda: free_memory_bytes(lambda: device_free_bytes(engine.model.device)),
+                             engine.step_errors(), handle.set_serving, handle.registry)
+    handle.health_loop, servicer.health = health.run, health
     if engine.scheduler.capacity < config.engine.scheduler.max_num_seqs:
         log.warning("kv_cache_caps_batch", max_num_seqs=config.engine.scheduler.max_num_seqs,
                     kv_slots=engine.scheduler.capacity, kv_cache_bytes=config.engine.kv_cache.kv_cache_bytes,

@@ -22,7 +22,7 @@ from aiserve.common.protocol import MAX_MUX_STREAMS
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.common.status import code_number
 from aiserve.store import ModelRef, ModelStore
-from aiserve.v1 import common_pb2, tokenizer_pb2, tokenizer_pb2_grpc
+from aiserve.v1 import common_pb2, status_pb2, tokenizer_pb2, tokenizer_pb2_grpc
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.detokenizer import IncrementalDetokenizer
 from services.tokenizer.tokenizer import ChatMessage, ModelTokenizer, TokenizerInfo
@@ -74,6 +74,10 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
     def tokenizer(self) -> ModelTokenizer:
         """The model tokenizer every call uses."""
         return self._tokenizer
+
+    def figures(self) -> status_pb2.ServiceStatus:
+        """This service's part of its Status rpc: the model (``name@version``) it serves."""
+        return status_pb2.ServiceStatus(model=self._tokenizer.info.model)
 
     async def Tokenize(self, request: tokenizer_pb2.TokenizeRequest,
                        context: aio.ServicerContext) -> tokenizer_pb2.TokenizeResponse:
@@ -206,6 +210,7 @@ async def create_server(config: TokenizerConfig) -> ServiceHandle:
     handle = new_server("tokenizer", [SERVICE_NAME], config.host, config.port)
     handle.servicer = servicer = TokenizerServicer(tokenizer)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, handle.server)
+    handle.figures = servicer.figures
     log.info("tokenizer_loaded", model=tokenizer.info.model, vocab_size=tokenizer.vocab_size,
              tokenizer_sha256=tokenizer.info.tokenizer_sha256)
     return handle

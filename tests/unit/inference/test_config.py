@@ -21,8 +21,10 @@ BAD_VALUES: dict[str, object] = {
     "kv_cache_bytes": 1 << 19, "max_seq_len": 15, "prefix_cache_fraction": 0.95, "prefix_block_size": 0,
     # the engine's limit
     "max_new_tokens_limit": 0,
+    # health
+    "health_probe_interval_s": 0.0, "health_probe_timeout_s": 601.0, "min_free_memory_bytes": -1,
 }
-UNBOUNDED = {"model_store", "enable_preemption"}  # any string / either boolean is valid
+UNBOUNDED = {"model_store", "enable_preemption", "fault_file"}  # any string / either boolean is valid
 
 
 def test_the_defaults_are_valid() -> None:

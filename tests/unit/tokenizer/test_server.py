@@ -16,7 +16,7 @@ from grpc import aio
 
 from aiserve.common.server import ServiceHandle, wait_for_serving
 from aiserve.store import ModelStore, ModelStoreError
-from aiserve.v1 import common_pb2, tokenizer_pb2
+from aiserve.v1 import common_pb2, status_pb2, status_pb2_grpc, tokenizer_pb2
 from services.tokenizer.config import TokenizerConfig
 from services.tokenizer.server import TokenizerServicer, create_server
 from services.tokenizer.tokenizer import ChatMessage, ModelTokenizer
@@ -43,6 +43,13 @@ async def _expect_error(call: object, code: grpc.StatusCode, *fragments: str) ->
 
 async def test_health_reports_serving(server: ServiceHandle) -> None:
     await wait_for_serving(f"127.0.0.1:{server.port}", TIMEOUT_S, "aiserve.v1.Tokenizer")
+
+
+async def test_status_names_the_model_it_serves(server: ServiceHandle) -> None:
+    async with aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        report = await status_pb2_grpc.StatusStub(channel).GetStatus(status_pb2.StatusRequest(), timeout=TIMEOUT_S)
+    assert (report.service, report.model) == ("tokenizer", MODEL)
+    assert (report.state, report.reason) == (status_pb2.SERVING_STATE_SERVING, "")
 
 
 async def test_tokenize_and_detokenize(stub: Stub, tokenizer: ModelTokenizer) -> None:
