@@ -4,7 +4,9 @@ The probe must show that the model still computes (weights, kernels, device) wit
 what the batch owns: it writes its K/V into one scratch slot of ``PROBE_SLOT_LEN`` tokens
 allocated once at start, so it never takes one of the ``max_num_seqs`` slots, never preempts a
 sequence and never changes a running sequence's cache. The engine runs it on its worker thread
-between two steps (batch_engine.py).
+between two steps (batch_engine.py); ``ProbeCalls`` and ``settle_all`` carry the asks and the
+answers between the asyncio callers and that thread, and ``LoopWakers`` wakes the health loop
+after a failed step.
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class EngineCollector(Collector):
         yield CounterMetricFamily(p + "steps", "Engine steps", value=s.num_steps)
         yield CounterMetricFamily(p + "generated_tokens", "Tokens generated", value=s.num_generated_tokens)
         yield CounterMetricFamily(p + "preemptions", "Sequences preempted", value=s.num_preemptions)
+        yield CounterMetricFamily(p + "step_errors", "Engine steps that failed", value=s.num_step_errors)
         yield CounterMetricFamily(p + "draft_tokens", "Draft tokens computed (speculative decoding)",
                                   value=s.num_draft_tokens)
         yield CounterMetricFamily(p + "accepted_draft_tokens", "Draft tokens the model confirmed",

@@ -298,6 +298,7 @@ async def test_a_failed_step_triggers_a_probe_at_once(store: ModelStore, two_tor
                 await generate(channel)
             await watch.until(SERVING)
         assert engine.stats().num_step_errors == 2
+        assert handle.registry.get_sample_value("aiserve_inference_step_errors_total") == 2
         assert handle.registry.get_sample_value("aiserve_inference_probe_failures_total") == 1
 
 
