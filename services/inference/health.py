@@ -157,7 +157,10 @@ class InferenceHealth:
         if not (fault := fault_verdict(self.config.fault_file)).is_serving:
             return fault
         probed = await self._run_probe()
-        free = self._free_memory()
+        try:
+            free = self._free_memory()
+        except Exception as exc:  # noqa: BLE001 - e.g. a CUDA error: the device is not usable
+            return Verdict(False, f"free memory unreadable: {exc}")
         if free is not None:
             self.metrics.free_memory.set(free)
         return probed if not probed.is_serving else memory_verdict(free, self.config.min_free_memory_bytes)

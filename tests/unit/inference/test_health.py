@@ -143,6 +143,13 @@ async def test_a_probe_stuck_behind_a_step_times_out(model: LlamaModel, monkeypa
         assert reports == [(False, "probe timed out after 0.1s"), (True, "")]
         assert registry.get_sample_value("aiserve_inference_probe_failures_total") == 1
 
+        def unreadable() -> int:
+            raise OSError("no such device")
+
+        broken = InferenceHealth(HealthConfig(), engine.probe, unreadable, engine.step_errors(), report,
+                                 CollectorRegistry())
+        assert await broken.check() == Verdict(False, "free memory unreadable: no such device")
+
 
 # --- the pure parts ---------------------------------------------------------------------------
 
