@@ -70,14 +70,14 @@ class ReplicaSet(Generic[M]):
         """The replicas a request may go to now, except those at ``exclude``."""
         return [m for m in self._members.values() if m.is_usable and m.address not in exclude]
 
-    def pick(self, exclude: Collection[str] = ()) -> M:
+    def pick(self, exclude: Collection[str] = (), advance: bool = True) -> M:
         """The next usable replica, round-robin; Unavailable naming each replica's reason when
-        there is none."""
+        there is none. ``advance`` False: the same one again next time (a look, not a use)."""
         candidates = self.usable(exclude)
         if not candidates:
             raise Unavailable(f"{self.service} unavailable: {self.why_none(exclude)}")
         member = candidates[self._turn % len(candidates)]
-        self._turn += 1
+        self._turn += advance
         return member
 
     def why_none(self, exclude: Collection[str] = ()) -> str:

@@ -132,10 +132,12 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
     """The gateway server, bound (``config.port`` 0 = a free port) but not started."""
     handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                         config.host, config.port)
-    backends = Backends(config)
+    metrics = GatewayMetrics(handle.registry)
+    backends = Backends(config, metrics.set_cache_available)
+    handle.health_loop = lambda: backends.health_loop(handle.set_serving)  # SERVING while the backends are
     accounting = Accounting.open(config)
     pipeline = Pipeline(config, backends.pipeline, accounting.prices)
-    servicer = GatewayServicer(config, pipeline, accounting, GatewayMetrics(handle.registry))
+    servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     handle.servicer = servicer
     handle.on_close.append(backends.close)  # closed last (on_close runs in reverse)
