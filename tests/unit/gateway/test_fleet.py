@@ -95,6 +95,7 @@ async def start_fleet(tmp_path: Path, cache_address: str = "") -> Fleet:
         await handle.start()
         await handle.begin_serving()
     await wait_for_serving(fleet.address, TIMEOUT_S)
+    await fleet.until(lambda: len(fleet.pool.replicas.usable()) == 2)  # the gateway sees both
     return fleet
 
 
