@@ -20,7 +20,7 @@ from grpc import aio
 from aiserve.common.logging import get_logger
 from services.gateway.replica import C, Replica
 from services.gateway.replicas import ReplicaSet
-from services.gateway.targets import Target, resolve
+from services.gateway.targets import GetAddrInfo, Target, resolve
 
 log = get_logger("pool")
 
@@ -32,8 +32,10 @@ class ReplicaPool(Generic[C]):
     """``service``'s replicas at ``target`` (``route``: the model route they serve, "" for any)."""
 
     def __init__(self, service: str, route: str, target: Target, make_clients: Callable[[aio.Channel], C],
-                 resolve_interval_s: float, on_change: Callable[[], None]) -> None:
+                 resolve_interval_s: float, on_change: Callable[[], None],
+                 getaddrinfo: GetAddrInfo | None = None) -> None:
         self.service, self.route, self.target = service, route, target
+        self._getaddrinfo = getaddrinfo  # None: the event loop's
         self.replicas: ReplicaSet[Replica[C]] = ReplicaSet(service)
         self._make_clients, self._on_change = make_clients, on_change
         self._changed = asyncio.Event()
@@ -98,7 +100,7 @@ class ReplicaPool(Generic[C]):
     async def _resolve_every(self, interval_s: float) -> None:
         while True:
             try:
-                addresses = await resolve(self.target)
+                addresses = await resolve(self.target, self._getaddrinfo)
             except OSError as exc:  # the replicas known stay (a name server's hiccup is no outage)
                 log.warning("resolve_failed", service=self.service, target=self.target.text, error=str(exc))
             else:

@@ -73,9 +73,9 @@ class Fleet:
 
 
 def gateway_config(tmp_path: Path, tokenizer: ServiceHandle, inference: list[ServiceHandle],
-                   cache_address: str = "") -> GatewayConfig:
+                   cache_address: str = "", generate_mux: bool = True) -> GatewayConfig:
     return GatewayConfig(
-        port=0, metrics_port=0, default_model=MODEL, cache_address=cache_address,
+        port=0, metrics_port=0, default_model=MODEL, cache_address=cache_address, generate_mux=generate_mux,
         tokenizer_address=f"127.0.0.1:{tokenizer.port}",
         inference_address="ipv4:" + ",".join(f"127.0.0.1:{h.port}" for h in inference),
         keys_path=str(tmp_path / "keys.sqlite3"), ledger_path=str(tmp_path / "ledger.sqlite3"),
@@ -83,13 +83,13 @@ def gateway_config(tmp_path: Path, tokenizer: ServiceHandle, inference: list[Ser
     )
 
 
-async def start_fleet(tmp_path: Path, cache_address: str = "") -> Fleet:
+async def start_fleet(tmp_path: Path, cache_address: str = "", generate_mux: bool = True) -> Fleet:
     """Two SERVING fake inference replicas, a tokenizer, and a gateway that reports SERVING."""
     seen = [Seen(), Seen()]
     tokenizer = fake_server("tokenizer", FakeTokenizer())
     inference = [fake_server("inference", FakeInference(s)) for s in seen]
     keys = tenant_keys(tmp_path / "keys.sqlite3")
-    gateway = await create_server(gateway_config(tmp_path, tokenizer, inference, cache_address))
+    gateway = await create_server(gateway_config(tmp_path, tokenizer, inference, cache_address, generate_mux))
     fleet = Fleet(gateway, tokenizer, inference, seen, keys)
     for handle in (tokenizer, *inference, gateway):
         await handle.start()
@@ -130,6 +130,16 @@ async def test_requests_spread_over_both_replicas_with_one_shared_call_each(flee
     await complete(fleet, 10)
     assert [len(s.request_ids) for s in fleet.seen] == [5, 5]  # round-robin
     assert [s.mux_calls for s in fleet.seen] == [1, 1]  # one GenerateMux call per replica, all requests on it
+
+
+async def test_with_a_call_per_generation_each_still_picks_its_replica(tmp_path: Path) -> None:
+    fleet = await start_fleet(tmp_path, generate_mux=False)
+    try:
+        await complete(fleet, 6)
+        assert [len(s.request_ids) for s in fleet.seen] == [3, 3]
+        assert [s.mux_calls for s in fleet.seen] == [0, 0]
+    finally:
+        await stop_fleet(fleet)
 
 
 async def test_a_not_serving_replica_takes_no_request_until_it_serves_again(fleet: Fleet) -> None:
