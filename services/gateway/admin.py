@@ -56,9 +56,10 @@ async def replica_status(route: str, replica: Replica[Any]) -> status_pb2.Servic
     if replica.state is not State.UNREACHABLE:
         try:
             report = await replica.status(STATUS_TIMEOUT_S)
-        except grpc.RpcError as exc:
+        except grpc.RpcError as exc:  # gone since its watch last heard from it, or too slow to answer
             code = exc.code()  # type: ignore[attr-defined]
-            state, reason = status_pb2.SERVING_STATE_UNREACHABLE, f"Status: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                state, reason = status_pb2.SERVING_STATE_UNREACHABLE, f"Status: {code.name}: {exc.details()}"  # type: ignore[attr-defined]
     report.service, report.address, report.route = replica.service, replica.address, route
     report.state, report.reason = state, reason
     return report

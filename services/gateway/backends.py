@@ -97,7 +97,7 @@ class PickedTokenizer:
     async def Info(  # noqa: N802 - the stub's method name
         self, request: tokenizer_pb2.TokenizerInfoRequest, *, timeout: float, wait_for_ready: bool,  # noqa: ASYNC109
     ) -> tokenizer_pb2.TokenizerInfo:
-        replica = await self._pool.pick_ready()
+        replica = await self._pool.pick_ready(advance=False)  # a look: the turns are the requests'
         return await replica.clients.stub.Info(request, timeout=timeout,  # type: ignore[no-any-return]
                                                wait_for_ready=wait_for_ready)
 

@@ -39,8 +39,9 @@ class FleetTokenizer:
         try:
             return await ask(replica.clients.tokenizer)
         except Unavailable:
-            other = await self.pool.pick_ready((replica.address,))
-            return await ask(other.clients.tokenizer)
+            if not self.pool.replicas.usable((replica.address,)):
+                raise  # no other replica to ask: its own error says most
+            return await ask(self.pool.pick((replica.address,)).clients.tokenizer)
 
     async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
         """A chat rendered with the model's template and the generation prompt."""
@@ -63,8 +64,10 @@ class FleetDetokenizer:
         self.pool = pool
 
     def open(self, request_id: str, skip_special_tokens: bool) -> MuxStream:
-        """A new generation's stream (UNAVAILABLE when no tokenizer replica is SERVING)."""
-        return self.pool.pick().clients.detokenizer.open(request_id, skip_special_tokens)
+        """A new generation's stream (UNAVAILABLE when no tokenizer replica is SERVING). It
+        takes no turn of its own: the generation's tokenize call just took one, and taking
+        another would send every tokenize call to the same replica."""
+        return self.pool.pick(advance=False).clients.detokenizer.open(request_id, skip_special_tokens)
 
     async def close(self) -> None:
         """The replicas own their calls (``Backends.close`` closes them)."""

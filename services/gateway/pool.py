@@ -53,9 +53,9 @@ class ReplicaPool(Generic[C]):
         """Not resolved yet, or a replica whose watch has not answered yet."""
         return not self._is_resolved or any(not r.has_answered for r in self.replicas)
 
-    def pick(self, exclude: Collection[str] = ()) -> Replica[C]:
+    def pick(self, exclude: Collection[str] = (), advance: bool = True) -> Replica[C]:
         """The next SERVING replica now (Unavailable naming each one's reason when none is)."""
-        return self.replicas.pick(exclude)
+        return self.replicas.pick(exclude, advance)
 
     async def pick_ready(self, exclude: Collection[str] = (), advance: bool = True,
                          timeout_s: float = SETTLE_WAIT_S) -> Replica[C]:

@@ -123,6 +123,9 @@ class Replica(Generic[C]):
             except grpc.RpcError as exc:
                 code = exc.code()  # type: ignore[attr-defined]
                 self._set(State.UNREACHABLE, f"{code.name}: {exc.details() or code.name}")  # type: ignore[attr-defined]
+            except Exception as exc:  # noqa: BLE001 - the watch must outlive anything a call throws
+                log.exception("replica_watch_failed", service=self.service, address=self.address)
+                self._set(State.UNREACHABLE, f"its health watch failed: {type(exc).__name__}: {exc}")
             # Then wait for it to come back (wait_for_ready), a growing pause between tries.
             await asyncio.sleep(pause)
             pause, wait_for_ready = min(pause * 2, BACKOFF_MAX_S), True

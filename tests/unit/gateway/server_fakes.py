@@ -21,12 +21,18 @@ MODEL = "fake@1"
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
-    """One token per word; token id n detokenizes to "w{n} "."""
+    """One token per word; token id n detokenizes to "w{n} ". Counts its Tokenize and
+    DetokenizeMux calls."""
+
+    def __init__(self) -> None:
+        self.tokenized = 0
+        self.mux_calls = 0
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
         return tokenizer_pb2.TokenizerInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096, vocab_size=100)
 
     async def Tokenize(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.tokenized += 1
         return tokenizer_pb2.TokenizeResponse(token_ids=[1] * len(request.text.split()))
 
     async def ApplyChatTemplate(self, request, context):  # noqa: N802, ANN001, ANN201
@@ -34,6 +40,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.ApplyChatTemplateResponse(text=text, token_ids=[1] * (len(text.split()) + 2))
 
     async def DetokenizeMux(self, requests, context):  # noqa: N802, ANN001, ANN201
+        self.mux_calls += 1
         async for request in requests:
             yield tokenizer_pb2.DetokenizeMuxResponse(deltas=[
                 tokenizer_pb2.DetokenizeMuxDelta(stream=i.stream, text_delta="".join(f"w{t} " for t in i.token_ids))

@@ -1,10 +1,11 @@
-"""The real gateway in front of one fake tokenizer and two fake inference replicas (real gRPC on
-free ports): it balances over the SERVING replicas with one shared call each, follows their
-health, survives a replica that vanishes mid-stream, and reports its own health from theirs."""
+"""The real gateway in front of fake tokenizer and inference replicas (real gRPC on free
+ports): it balances over the SERVING replicas with one shared call each, follows their health,
+survives a replica that vanishes mid-stream, and reports its own health from theirs."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from aiserve.common.server import ServiceHandle, wait_for_serving
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
-from services.gateway.fleet_clients import FleetCache
+from services.gateway.fleet_clients import FleetCache, FleetTokenizer
 from services.gateway.fleet_inference import FleetRouter
 from services.gateway.ledger import Ledger
 from services.gateway.pool import ReplicaPool
@@ -231,3 +232,32 @@ async def test_without_its_cache_the_gateway_serves_uncached(tmp_path: Path) -> 
         assert sum(len(s.request_ids) for s in fleet.seen) == 3
     finally:
         await stop_fleet(fleet)
+
+
+async def test_tokenizer_replicas_share_the_work_and_one_going_away_is_left_out(tmp_path: Path) -> None:
+    fakes = [FakeTokenizer(), FakeTokenizer()]
+    tokenizers = [fake_server("tokenizer", fake) for fake in fakes]
+    inference = fake_server("inference", FakeInference(Seen()))
+    config = dataclasses.replace(
+        gateway_config(tmp_path, tokenizers[0], [inference]),
+        tokenizer_address="ipv4:" + ",".join(f"127.0.0.1:{h.port}" for h in tokenizers))
+    fleet = Fleet(await create_server(config), tokenizers[0], [inference], [], tenant_keys(tmp_path / "keys.sqlite3"))
+    backends = fleet.servicer.pipeline.backends
+    assert isinstance(backends.tokenizer, FleetTokenizer)
+    pool = backends.tokenizer.pool
+    try:
+        for handle in (*tokenizers, inference, fleet.gateway):
+            await handle.start()
+            await handle.begin_serving()
+        await pool.wait_for(lambda: len(pool.replicas.usable()) == 2, TIMEOUT_S)
+        await complete(fleet, 4)
+        assert [f.tokenized for f in fakes] == [2, 2]
+        assert [f.mux_calls for f in fakes] == [1, 1]  # one DetokenizeMux call per replica
+        await tokenizers[0].server.stop(None)
+        await pool.wait_for(lambda: len(pool.replicas.usable()) == 1, TIMEOUT_S)
+        await complete(fleet, 2)
+        assert [f.tokenized for f in fakes] == [2, 4]
+        assert fleet.gateway.is_serving  # one tokenizer replica is enough
+    finally:
+        for handle in (fleet.gateway, *tokenizers, inference):
+            await handle.stop(0)
