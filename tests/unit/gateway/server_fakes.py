@@ -61,13 +61,15 @@ class Seen:
 
 class FakeInference(inference_pb2_grpc.InferenceServicer):
     """Streams max_new_tokens ids over GenerateMux (the gateway's one call); a prompt of exactly
-    7 words hangs after one token."""
+    7 words hangs after one token. ``tokenizer_sha256`` other than the tokenizer's "abc" makes it
+    a replica that fails the pairing check."""
 
-    def __init__(self, seen: Seen) -> None:
+    def __init__(self, seen: Seen, tokenizer_sha256: str = "abc") -> None:
         self.seen = seen
+        self.tokenizer_sha256 = tokenizer_sha256
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
-        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096)
+        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256=self.tokenizer_sha256, context_length=4096)
 
     async def GenerateMux(self, requests, context):  # noqa: N802, ANN001, ANN201
         self.seen.mux_calls += 1

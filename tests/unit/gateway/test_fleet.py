@@ -261,3 +261,31 @@ async def test_tokenizer_replicas_share_the_work_and_one_going_away_is_left_out(
     finally:
         for handle in (fleet.gateway, *tokenizers, inference):
             await handle.stop(0)
+
+
+async def test_a_replica_that_fails_the_pairing_check_is_not_picked(tmp_path: Path) -> None:
+    seen = [Seen(), Seen()]
+    tokenizer = fake_server("tokenizer", FakeTokenizer())
+    inference = [fake_server("inference", FakeInference(seen[0])),
+                 fake_server("inference", FakeInference(seen[1], tokenizer_sha256="fff"))]
+    keys = tenant_keys(tmp_path / "keys.sqlite3")
+    fleet = Fleet(await create_server(gateway_config(tmp_path, tokenizer, inference)), tokenizer, inference, seen, keys)
+    try:
+        for handle in (tokenizer, *inference, fleet.gateway):
+            await handle.start()
+            await handle.begin_serving()
+        await fleet.until(lambda: fleet.state(0) is State.SERVING and fleet.state(1) is State.SERVING)
+        await complete(fleet, 4)
+        assert [len(s.request_ids) for s in fleet.seen] == [4, 0]
+        refused = next(r for r in fleet.pool.replicas if r.address == fleet.replica_address(1))
+        assert not refused.is_usable and refused.reason.startswith("tokenizer mismatch: tokenizer serves")
+        await inference[0].server.stop(None)  # only the refused replica is left: a deployment's mistake
+        await fleet.until(lambda: fleet.state(0) is State.UNREACHABLE)
+        async with aio.insecure_channel(fleet.address) as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                await gateway_pb2_grpc.GatewayStub(channel).Complete(request(), metadata=fleet.auth(), timeout=TIMEOUT_S)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "tokenizer sha256" in (info.value.details() or "")  # what differs
+    finally:
+        for handle in (fleet.gateway, tokenizer, *inference):
+            await handle.stop(0)
