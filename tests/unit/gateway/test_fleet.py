@@ -282,8 +282,9 @@ async def test_a_replica_that_fails_the_pairing_check_is_not_picked(tmp_path: Pa
         await inference[0].server.stop(None)  # only the refused replica is left: a deployment's mistake
         await fleet.until(lambda: fleet.state(0) is State.UNREACHABLE)
         async with aio.insecure_channel(fleet.address) as channel:
+            stub = gateway_pb2_grpc.GatewayStub(channel)
             with pytest.raises(grpc.RpcError) as info:
-                await gateway_pb2_grpc.GatewayStub(channel).Complete(request(), metadata=fleet.auth(), timeout=TIMEOUT_S)
+                await stub.Complete(request(), metadata=fleet.auth(), timeout=TIMEOUT_S)
         assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "tokenizer sha256" in (info.value.details() or "")  # what differs
     finally:
