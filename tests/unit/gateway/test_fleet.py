@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +30,7 @@ from tests.unit.gateway.server_fakes import MODEL, FakeCache, FakeInference, Fak
 from tests.unit.gateway.test_server import tenant_keys
 
 TIMEOUT_S = 10.0
+ROOT = Path(__file__).resolve().parents[3]
 HANG = 7  # a prompt of 7 words makes the fake inference hang after its first token
 
 
@@ -290,3 +293,63 @@ async def test_a_replica_that_fails_the_pairing_check_is_not_picked(tmp_path: Pa
     finally:
         for handle in (fleet.gateway, tokenizer, *inference):
             await handle.stop(0)
+
+
+async def test_a_replica_killed_with_sigkill_under_load(tmp_path: Path) -> None:
+    """A real process killed outright: its sockets close without a goodbye."""
+    child = await asyncio.create_subprocess_exec(sys.executable, "-m", "tests.unit.gateway.fake_replica",
+                                                 stdout=asyncio.subprocess.PIPE, cwd=ROOT)
+    try:
+        assert child.stdout is not None
+        port = await asyncio.wait_for(announced_port(child.stdout), TIMEOUT_S)
+        seen = [Seen()]
+        tokenizer = fake_server("tokenizer", FakeTokenizer())
+        local = fake_server("inference", FakeInference(seen[0]))
+        config = dataclasses.replace(gateway_config(tmp_path, tokenizer, [local]),
+                                     inference_address=f"ipv4:127.0.0.1:{local.port},127.0.0.1:{port}")
+        fleet = Fleet(await create_server(config), tokenizer, [local], seen, tenant_keys(tmp_path / "keys.sqlite3"))
+        try:
+            for handle in (tokenizer, local, fleet.gateway):
+                await handle.start()
+                await handle.begin_serving()
+            await fleet.until(lambda: len(fleet.pool.replicas.usable()) == 2)
+            await kill_under_load(fleet, child, f"127.0.0.1:{port}")
+        finally:
+            for handle in (fleet.gateway, tokenizer, local):
+                await handle.stop(0)
+    finally:
+        if child.returncode is None:
+            child.kill()
+        await child.wait()
+
+
+async def announced_port(stdout: asyncio.StreamReader) -> int:
+    """The port line the child prints among its log lines."""
+    while not (line := (await stdout.readline()).strip()).startswith(b"port="):
+        assert line, "the fake replica exited before it listened"
+    return int(line.removeprefix(b"port="))
+
+
+async def kill_under_load(fleet: Fleet, child: asyncio.subprocess.Process, address: str) -> None:
+    """Six hanging streams over both replicas; SIGKILL the child: its streams end at once,
+    naming it and their request ids, and new requests all succeed."""
+    async with aio.insecure_channel(fleet.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        calls = {f"k-{i}": stub.Generate(request(words=HANG, max_new_tokens=50),
+                                         metadata=(*fleet.auth(), ("x-request-id", f"k-{i}")), timeout=30)
+                 for i in range(6)}
+        for call in calls.values():
+            await call.read()
+        on_child = sorted(set(calls) - set(fleet.seen[0].request_ids))
+        assert len(on_child) == 3
+        child.send_signal(signal.SIGKILL)
+        started = asyncio.get_running_loop().time()
+        for request_id in on_child:
+            with pytest.raises(grpc.RpcError) as info:
+                await asyncio.wait_for(calls[request_id].read(), 2.0)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert f"inference replica {address} went away (request_id={request_id})" in info.value.details()
+        assert asyncio.get_running_loop().time() - started < 2.0
+        await complete(fleet, 6)
+        for request_id in set(calls) - set(on_child):
+            calls[request_id].cancel()
