@@ -152,9 +152,12 @@ class Backends:
 
     def health(self) -> tuple[bool, str]:
         """SERVING while the route has a SERVING tokenizer replica and a usable inference replica
-        (the cache does not count: without it caching is skipped); else the reason."""
+        (the cache does not count: without it caching is skipped; only at the start its first
+        answer is awaited); else the reason."""
         problems = [f"{pool.service}: {pool.replicas.why_none()}" for pool in (self.tokenizers, self.inference)
                     if not pool.replicas.usable()]
+        if self.caches is not None and not self.caches.has_settled:
+            problems.append("cache: connecting")  # once: so the first requests know whether to cache
         return not problems, "; ".join(problems)
 
     async def health_loop(self, set_serving: SetServing) -> None:

@@ -40,6 +40,7 @@ class ReplicaPool(Generic[C]):
         self._make_clients, self._on_change = make_clients, on_change
         self._changed = asyncio.Event()
         self._is_resolved = not target.is_dns
+        self._has_settled = False
         self._closing: set[asyncio.Task[None]] = set()
         for address in target.addresses:
             self._add(address)
@@ -47,6 +48,12 @@ class ReplicaPool(Generic[C]):
         if target.is_dns:
             self._resolver = asyncio.get_running_loop().create_task(
                 self._resolve_every(resolve_interval_s), context=contextvars.Context())
+
+    @property
+    def has_settled(self) -> bool:
+        """Whether the pool has once stopped settling (every first watch answered)."""
+        self._has_settled = self._has_settled or not self.is_settling
+        return self._has_settled
 
     @property
     def is_settling(self) -> bool:
