@@ -24,6 +24,7 @@ class ErrorKind(enum.Enum):
     DEADLINE_EXCEEDED = enum.auto()
     UNAVAILABLE = enum.auto()
     UNAUTHENTICATED = enum.auto()
+    PERMISSION_DENIED = enum.auto()
     CANCELLED = enum.auto()
     INTERNAL = enum.auto()
     UNKNOWN = enum.auto()
@@ -93,6 +94,12 @@ class Unauthenticated(ApiError):
     kind = ErrorKind.UNAUTHENTICATED
 
 
+class PermissionDenied(ApiError):
+    """The caller is known but may not do this (a tenant's key on the Admin service)."""
+
+    kind = ErrorKind.PERMISSION_DENIED
+
+
 class Cancelled(ApiError):
     kind = ErrorKind.CANCELLED
 
@@ -105,7 +112,7 @@ class Internal(ApiError):
 
 _BY_KIND: dict[ErrorKind, type[ApiError]] = {
     cls.kind: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded,
-                              Unavailable, Unauthenticated, Cancelled, Internal)
+                              Unavailable, Unauthenticated, PermissionDenied, Cancelled, Internal)
 }
 
 

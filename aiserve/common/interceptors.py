@@ -36,6 +36,11 @@ from aiserve.common.status import grpc_code
 
 log = get_logger("rpc")
 
+KEEPALIVE_TIME_MS = 10_000
+"""Every downstream channel pings its backend this often (servers permit it: ``server.py``)."""
+KEEPALIVE_TIMEOUT_MS = 5_000
+"""A ping unanswered this long closes the connection: its calls fail with UNAVAILABLE."""
+
 _RPC_BUCKETS = (0.005, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -212,5 +217,11 @@ def downstream_channel(address: str) -> aio.Channel:
         ("grpc.initial_reconnect_backoff_ms", 100),
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
+        # A replica that vanishes without closing its socket (a node lost) is noticed within
+        # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even while no call is running.
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
     ]
     return aio.insecure_channel(address, options=options, interceptors=forward_context_interceptors())

@@ -1,38 +1,35 @@
-"""The gateway's backends at the edge: the channels, the gRPC adapters the pipeline calls, and
-the checked route to the model.
+"""The gateway's backends at the edge: the replicas of each backend service (each with its own
+channel, health watch and clients), the adapters the pipeline calls over them, the gateway's
+own health, and the checked route to the model.
 
 A route is the model a request names (or the default) -> the tokenizer and inference services
-that serve it. Before a route is used, the gateway checks that both serve the same
-name@version with the same tokenizer fingerprint: a tokenizer of another version would turn
-the model's ids into the wrong text, so that is FAILED_PRECONDITION, never served.
+that serve it. Before an inference replica is used, the gateway checks that it and the
+tokenizer serve the same name@version with the same tokenizer fingerprint: a tokenizer of
+another version would turn the model's ids into the wrong text, so that is FAILED_PRECONDITION
+(that replica is refused), never served.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
-from grpc import aio
 
 from aiserve.common.errors import FailedPrecondition, NotFound, Unavailable
-from aiserve.common.interceptors import downstream_channel
-from aiserve.v1 import (
-    cache_pb2_grpc,
-    inference_pb2,
-    inference_pb2_grpc,
-    tokenizer_pb2,
-    tokenizer_pb2_grpc,
-)
+from aiserve.v1 import inference_pb2, inference_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
 from services.gateway.backend_errors import downstream_error
-from services.gateway.cache_client import CacheClient
 from services.gateway.config import GatewayConfig
-from services.gateway.detokenize_mux_client import DetokenizeMuxClient
 from services.gateway.domain import RouteInfo
-from services.gateway.generate_call_client import GenerateCallClient
-from services.gateway.generate_mux_client import GenerateMuxClient
+from services.gateway.fleet_clients import FleetCache, FleetDetokenizer, FleetTokenizer
+from services.gateway.fleet_inference import FleetGenerations, FleetRouter
 from services.gateway.interfaces import PipelineBackends
-from services.gateway.tokenizer_client import TokenizerClient
+from services.gateway.pool import ReplicaPool
+from services.gateway.replica import Replica
+from services.gateway.replica_clients import CacheClients, InferenceClients, TokenizerClients
+from services.gateway.targets import parse_target
 
 INFO_TIMEOUT_S = 5.0
 
@@ -41,7 +38,7 @@ class RouteChecker:
     """The ``Router`` of ``services/gateway/interfaces.py``: the pairing check, cached for
     ``fingerprint_ttl_s``."""
 
-    def __init__(self, config: GatewayConfig, tokenizer: tokenizer_pb2_grpc.TokenizerStub,
+    def __init__(self, config: GatewayConfig, tokenizer: tokenizer_pb2_grpc.TokenizerStub | PickedTokenizer,
                  inference: inference_pb2_grpc.InferenceStub) -> None:
         self.config = config
         self._tokenizer, self._inference = tokenizer, inference
@@ -91,33 +88,85 @@ class RouteChecker:
         return RouteInfo(model=inf.model, context_length=inf.context_length)
 
 
-class Backends:
-    """Channels to tokenizer, inference and cache, and the adapters over them (``pipeline``)."""
+class PickedTokenizer:
+    """The tokenizer's Info as the pairing check asks it: of the next SERVING tokenizer replica."""
 
-    def __init__(self, config: GatewayConfig) -> None:
-        self._channels: list[aio.Channel] = []
-        tokenizer = tokenizer_pb2_grpc.TokenizerStub(self._open(config.tokenizer_address))
-        inference = inference_pb2_grpc.InferenceStub(self._open(config.inference_address))
-        cache = cache_pb2_grpc.CacheStub(self._open(config.cache_address)) if config.cache_address else None
-        self.detokenizer = DetokenizeMuxClient(tokenizer)  # one call shared by all generations
-        self.generations = (  # likewise, unless a balancer needs a call each (docs/decisions.md, 34)
-            GenerateMuxClient(inference) if config.generate_mux else GenerateCallClient(inference))
+    def __init__(self, pool: ReplicaPool[TokenizerClients]) -> None:
+        self._pool = pool
+
+    async def Info(  # noqa: N802 - the stub's method name
+        self, request: tokenizer_pb2.TokenizerInfoRequest, *, timeout: float, wait_for_ready: bool,  # noqa: ASYNC109
+    ) -> tokenizer_pb2.TokenizerInfo:
+        replica = await self._pool.pick_ready(advance=False)  # a look: the turns are the requests'
+        return await replica.clients.stub.Info(request, timeout=timeout,  # type: ignore[no-any-return]
+                                               wait_for_ready=wait_for_ready)
+
+
+SetServing = Callable[[bool, str], Awaitable[None]]
+
+
+class Backends:
+    """The replicas of tokenizer, inference and cache, and the adapters over them (``pipeline``)."""
+
+    def __init__(self, config: GatewayConfig, cache_available: Callable[[bool], None] = lambda _: None) -> None:
+        self.config = config
+        self.changed = asyncio.Event()
+        """Set by every replica's watch when its state changes (the gateway's health waits on it)."""
+        route, interval = config.default_model, config.resolve_interval_s
+        self.tokenizers = ReplicaPool("tokenizer", route, parse_target("tokenizer_address", config.tokenizer_address),
+                                      TokenizerClients, interval, self.changed.set)
+        tokenizer_info = PickedTokenizer(self.tokenizers)
+        self.inference = ReplicaPool(
+            "inference", route, parse_target("inference_address", config.inference_address),
+            lambda channel: InferenceClients(channel, config.generate_mux,
+                                             lambda stub: RouteChecker(config, tokenizer_info, stub)),
+            interval, self.changed.set)
+        self.caches: ReplicaPool[CacheClients] | None = None
+        self.cache: FleetCache | None = None
+        if config.cache_address:
+            self.caches = ReplicaPool("cache", "", parse_target("cache_address", config.cache_address),
+                                      CacheClients, interval, self._cache_changed)
+            self.cache = FleetCache(self.caches, cache_available)
+        self.router = FleetRouter(self.inference, config.fingerprint_ttl_s)
         self.pipeline = PipelineBackends(
-            router=RouteChecker(config, tokenizer, inference),
-            tokenizer=TokenizerClient(tokenizer),
-            generations=self.generations,
-            detokenizer=self.detokenizer,
-            cache=CacheClient(cache) if cache is not None else None,
+            router=self.router,
+            tokenizer=FleetTokenizer(self.tokenizers),
+            generations=FleetGenerations(self.router),
+            detokenizer=FleetDetokenizer(self.tokenizers),
+            cache=self.cache,
         )
 
-    def _open(self, address: str) -> aio.Channel:
-        channel = downstream_channel(address)
-        self._channels.append(channel)
-        return channel
+    def _cache_changed(self) -> None:
+        if self.cache is not None:
+            self.cache.on_change()
+        self.changed.set()
+
+    def pools(self) -> list[ReplicaPool[Any]]:
+        """Tokenizer, inference, then cache (when there is one)."""
+        return [self.tokenizers, self.inference, *([self.caches] if self.caches is not None else [])]
+
+    def replicas(self) -> list[tuple[str, Replica[Any]]]:
+        """Every replica with its route, by route, then service, then address."""
+        found = [(pool.route, replica) for pool in self.pools() for replica in pool.replicas]
+        return sorted(found, key=lambda item: (item[0], item[1].service, item[1].address))
+
+    def health(self) -> tuple[bool, str]:
+        """SERVING while the route has a SERVING tokenizer replica and a usable inference replica
+        (the cache does not count: without it caching is skipped; only at the start its first
+        answer is awaited); else the reason."""
+        problems = [f"{pool.service}: {pool.replicas.why_none()}" for pool in (self.tokenizers, self.inference)
+                    if not pool.replicas.usable()]
+        if self.caches is not None and not self.caches.has_settled:
+            problems.append("cache: connecting")  # once: so the first requests know whether to cache
+        return not problems, "; ".join(problems)
+
+    async def health_loop(self, set_serving: SetServing) -> None:
+        """Report ``health`` now and after every change a replica's watch records."""
+        while True:
+            self.changed.clear()
+            await set_serving(*self.health())
+            await self.changed.wait()
 
     async def close(self) -> None:
-        """End the shared calls, then close the channels."""
-        await self.generations.close()
-        await self.detokenizer.close()
-        for channel in self._channels:
-            await channel.close()
+        """Close every replica: its shared calls end, then its channel."""
+        await asyncio.gather(*(pool.close() for pool in self.pools()))

@@ -6,9 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiserve.common.config import ServiceConfig, require
-from aiserve.common.paths import KEYS_FILE, LEDGER_FILE, home_file
+from aiserve.common.paths import ADMIN_KEY_FILE, KEYS_FILE, LEDGER_FILE, home_file
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 from services.gateway.pricing import Price, PriceTable, parse_prices
+from services.gateway.targets import parse_target
 
 
 @dataclass(frozen=True)
@@ -19,15 +20,23 @@ class GatewayConfig(ServiceConfig):
     """Public gRPC port."""
     metrics_port: int = 9101
     tokenizer_address: str = "127.0.0.1:50052"
-    """host:port of the tokenizer service."""
+    """The tokenizer's replicas, a gRPC target: host:port (one), ipv4:a:port,b:port (these), or
+    dns:///name:port (every address the name resolves to, asked every resolve_interval_s)."""
     inference_address: str = "127.0.0.1:50053"
-    """host:port of the inference service."""
+    """The inference service's replicas, a target as tokenizer_address; the gateway balances
+    generations over them itself (docs/decisions.md, decision 44)."""
     generate_mux: bool = True
-    """Run every generation over one shared GenerateMux call (one message per engine step);
-    false = one Generate call per generation, for an L7 balancer (a mesh sidecar) that spreads
-    calls over several inference replicas behind one address (docs/decisions.md, decision 34)."""
+    """Run the generations on each inference replica over one shared GenerateMux call per
+    replica (one message per engine step); false = one Generate call per generation. Either
+    way a generation picks its replica itself: this is no longer needed for several replicas
+    (docs/decisions.md, decisions 34 and 44)."""
     cache_address: str = "127.0.0.1:50054"
-    """host:port of the cache service; empty disables caching."""
+    """The cache's replicas, a target as tokenizer_address; empty disables caching."""
+    resolve_interval_s: float = 10.0
+    """Seconds between two lookups of a dns:/// target's name (replicas come and go with it)."""
+    admin_key_path: str = ""
+    """File of the admin key that the Admin service requires; "" = $AISERVE_HOME/admin.key.
+    Read at each Admin call, so a key written after the start works."""
     default_model: str = DEFAULT_MODEL_REF
     """name@version served when a request leaves `model` empty (the only route for now)."""
     default_max_new_tokens: int = 256
@@ -106,9 +115,11 @@ class GatewayConfig(ServiceConfig):
 
     def _validate_addresses(self) -> None:
         for name in ("tokenizer_address", "inference_address"):
-            require(":" in getattr(self, name), f"{name}: must be host:port, got {getattr(self, name)!r}")
-        require(self.cache_address == "" or ":" in self.cache_address,
-                f"cache_address: must be host:port or empty (no cache), got {self.cache_address!r}")
+            parse_target(name, getattr(self, name))  # raises ConfigError naming the setting
+        if self.cache_address:  # empty: no cache
+            parse_target("cache_address", self.cache_address)
+        require(0 < self.resolve_interval_s <= 3600,
+                f"resolve_interval_s: must be in (0, 3600], got {self.resolve_interval_s}")
         require(is_model_ref(self.default_model),
                 f"default_model: must be 'name@version', got {self.default_model!r}")
         require(self.fingerprint_ttl_s >= 0, f"fingerprint_ttl_s: must be >= 0, got {self.fingerprint_ttl_s}")
@@ -165,6 +176,10 @@ class GatewayConfig(ServiceConfig):
     def keys_file(self) -> Path:
         """The tenants and keys database this config names ("" = under $AISERVE_HOME)."""
         return home_file(self.keys_path, KEYS_FILE)
+
+    def admin_key_file(self) -> Path:
+        """The admin key's file this config names ("" = under $AISERVE_HOME)."""
+        return home_file(self.admin_key_path, ADMIN_KEY_FILE)
 
     def ledger_file(self) -> Path:
         """The usage ledger database this config names ("" = under $AISERVE_HOME)."""

@@ -3,13 +3,13 @@ gateways in one process never share or rebind a metric)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.gateway.domain import Final
 
 
 class GatewayMetrics:
-    """Finished generations, tokens billed and cost billed."""
+    """Finished generations, tokens billed and cost billed; whether the cache is in use."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.requests = Counter("aiserve_gateway_requests_total", "Finished generations",
@@ -17,6 +17,12 @@ class GatewayMetrics:
         self.tokens = Counter("aiserve_gateway_tokens_total", "Tokens billed", ["kind"], registry=registry)
         self.cost = Counter("aiserve_gateway_cost_micros_total", "Cost billed, in millionths of the currency",
                             ["tier"], registry=registry)
+        self.cache_available = Gauge("aiserve_gateway_cache_available",
+                                     "1 while a cache replica is SERVING (else caching is skipped)", registry=registry)
+
+    def set_cache_available(self, available: bool) -> None:
+        """Whether answers are looked up in and stored to the cache now."""
+        self.cache_available.set(1 if available else 0)
 
     def record(self, final: Final, tier: str) -> None:
         """Count one finished generation of a tenant of ``tier``."""

@@ -15,8 +15,9 @@ from grpc import aio
 from aiserve.common.context import AUTHORIZATION_KEY, current_request_id, traceparent_var
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
-from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from aiserve.v1 import admin_pb2, common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.accounting import Accounting, RequestAccount
+from services.gateway.admin import add_admin
 from services.gateway.backends import Backends
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Chunk, Final
@@ -130,13 +131,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 async def create_server(config: GatewayConfig) -> ServiceHandle:
     """The gateway server, bound (``config.port`` 0 = a free port) but not started."""
-    handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+    handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
+                                    admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
                         config.host, config.port)
-    backends = Backends(config)
+    metrics = GatewayMetrics(handle.registry)
+    backends = Backends(config, metrics.set_cache_available)
+    handle.health_loop = lambda: backends.health_loop(handle.set_serving)  # SERVING while the backends are
     accounting = Accounting.open(config)
     pipeline = Pipeline(config, backends.pipeline, accounting.prices)
-    servicer = GatewayServicer(config, pipeline, accounting, GatewayMetrics(handle.registry))
+    servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
+    add_admin(handle, config.admin_key_file(), backends, accounting)
     handle.servicer = servicer
     handle.on_close.append(backends.close)  # closed last (on_close runs in reverse)
     handle.on_close.append(accounting.close)

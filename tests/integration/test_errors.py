@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc import aio
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aiserve.common.server import wait_for_serving
 from aiserve.store import ModelRef, ModelStore
@@ -175,8 +176,11 @@ async def test_inference_down_is_unavailable_and_the_suite_recovers(suite: Suite
             suite.config.address("gateway"), request, grpc.StatusCode.UNAVAILABLE, dev_key(suite)
         )
         assert "unavailable" in details or "did not answer" in details
-        await wait_for_serving(suite.config.address("gateway"), 10)  # the gateway itself stays up
+        async with aio.insecure_channel(suite.config.address("gateway")) as channel:  # it answers, NOT_SERVING
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         suite.start_service("inference")
         await suite.wait_serving(("inference",), timeout_s=300)
+    await wait_for_serving(suite.config.address("gateway"), 10)  # SERVING again, from its watch of inference
     await still_serving(suite)

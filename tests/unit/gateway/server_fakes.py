@@ -1,4 +1,5 @@
-"""The fake tokenizer and inference services test_server.py runs the real gateway against."""
+"""The fake tokenizer and inference services test_server.py and test_fleet.py run the real
+gateway against (each a real server on a free port, whose health the test sets)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass, field
 
 from aiserve.common.server import ServiceHandle, new_server
 from aiserve.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
     common_pb2,
     inference_pb2,
     inference_pb2_grpc,
@@ -18,12 +21,18 @@ MODEL = "fake@1"
 
 
 class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
-    """One token per word; token id n detokenizes to "w{n} "."""
+    """One token per word; token id n detokenizes to "w{n} ". Counts its Tokenize and
+    DetokenizeMux calls."""
+
+    def __init__(self) -> None:
+        self.tokenized = 0
+        self.mux_calls = 0
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
         return tokenizer_pb2.TokenizerInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096, vocab_size=100)
 
     async def Tokenize(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.tokenized += 1
         return tokenizer_pb2.TokenizeResponse(token_ids=[1] * len(request.text.split()))
 
     async def ApplyChatTemplate(self, request, context):  # noqa: N802, ANN001, ANN201
@@ -31,6 +40,7 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
         return tokenizer_pb2.ApplyChatTemplateResponse(text=text, token_ids=[1] * (len(text.split()) + 2))
 
     async def DetokenizeMux(self, requests, context):  # noqa: N802, ANN001, ANN201
+        self.mux_calls += 1
         async for request in requests:
             yield tokenizer_pb2.DetokenizeMuxResponse(deltas=[
                 tokenizer_pb2.DetokenizeMuxDelta(stream=i.stream, text_delta="".join(f"w{t} " for t in i.token_ids))
@@ -44,19 +54,25 @@ class Seen:
     remaining_s: list[float] = field(default_factory=list)
     priorities: list[int] = field(default_factory=list)
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    request_ids: list[str] = field(default_factory=list)
+    mux_calls: int = 0
+    """GenerateMux calls opened on this replica."""
 
 
 class FakeInference(inference_pb2_grpc.InferenceServicer):
     """Streams max_new_tokens ids over GenerateMux (the gateway's one call); a prompt of exactly
-    7 words hangs after one token."""
+    7 words hangs after one token. ``tokenizer_sha256`` other than the tokenizer's "abc" makes it
+    a replica that fails the pairing check."""
 
-    def __init__(self, seen: Seen) -> None:
+    def __init__(self, seen: Seen, tokenizer_sha256: str = "abc") -> None:
         self.seen = seen
+        self.tokenizer_sha256 = tokenizer_sha256
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
-        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096)
+        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256=self.tokenizer_sha256, context_length=4096)
 
     async def GenerateMux(self, requests, context):  # noqa: N802, ANN001, ANN201
+        self.seen.mux_calls += 1
         events: asyncio.Queue[inference_pb2.GenerateMuxEvent] = asyncio.Queue()
         running: dict[int, asyncio.Task[None]] = {}
 
@@ -87,6 +103,7 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
 
     async def _generate(self, request, remaining_s):  # noqa: ANN001, ANN202
         self.seen.remaining_s.append(remaining_s)
+        self.seen.request_ids.append(request.request_id)
         self.seen.priorities.append(request.priority)
         n = request.decoding.max_new_tokens
         try:
@@ -108,14 +125,34 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
             raise
 
 
+class FakeCache(cache_pb2_grpc.CacheServicer):
+    """Every lookup misses; stores are counted once their finish arrives."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.stores = 0
+
+    async def Lookup(self, request, context):  # noqa: N802, ANN001, ANN201
+        self.lookups += 1
+        return cache_pb2.LookupResponse(hit=False)
+
+    async def Store(self, requests, context):  # noqa: N802, ANN001, ANN201
+        async for message in requests:
+            if message.HasField("finish"):
+                self.stores += 1
+        return cache_pb2.StoreResponse(entry_id="e1")
+
+
+def fake_server(name: str, servicer: object) -> ServiceHandle:
+    """A fake tokenizer, inference or cache server with health and Status, on a free port (not started)."""
+    handle = new_server(name, [], "127.0.0.1", 0)
+    add = {"tokenizer": tokenizer_pb2_grpc.add_TokenizerServicer_to_server,
+           "inference": inference_pb2_grpc.add_InferenceServicer_to_server,
+           "cache": cache_pb2_grpc.add_CacheServicer_to_server}[name]
+    add(servicer, handle.server)  # type: ignore[operator]
+    return handle
+
+
 def fake_backends(seen: Seen) -> list[ServiceHandle]:
     """The fake tokenizer and inference servers, bound to free ports (not started)."""
-    backends: list[ServiceHandle] = []
-    for name, add, servicer in (
-        ("tokenizer", tokenizer_pb2_grpc.add_TokenizerServicer_to_server, FakeTokenizer()),
-        ("inference", inference_pb2_grpc.add_InferenceServicer_to_server, FakeInference(seen)),
-    ):
-        handle = new_server(name, [], "127.0.0.1", 0)
-        add(servicer, handle.server)  # type: ignore[operator]
-        backends.append(handle)
-    return backends
+    return [fake_server("tokenizer", FakeTokenizer()), fake_server("inference", FakeInference(seen))]

@@ -26,6 +26,7 @@ from services.gateway.backend_errors import downstream_error, item_error, status
 from services.gateway.backends import Backends, RouteChecker
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import RouteInfo
+from services.gateway.fleet_inference import FleetRouter
 from services.gateway.generate_call_client import GenerateCallClient
 from services.gateway.generate_mux_client import GenerateMuxClient
 from tests.unit.gateway.fakes import fake_backend
@@ -185,12 +186,18 @@ def test_downstream_error_returns_an_api_error_and_raises_a_bug() -> None:
 
 @pytest.mark.parametrize("generate_mux", [True, False])
 async def test_the_gateway_builds_one_adapter_per_backend(generate_mux: bool) -> None:
-    config = GatewayConfig(generate_mux=generate_mux, cache_address="")
+    config = GatewayConfig(generate_mux=generate_mux, cache_address="",
+                           inference_address="ipv4:127.0.0.1:1,127.0.0.1:2")
     built = Backends(config)
     try:
-        generations = built.pipeline.generations
-        assert isinstance(generations, GenerateMuxClient if generate_mux else GenerateCallClient)
+        inference = list(built.inference.replicas)
+        assert [r.address for r in inference] == ["127.0.0.1:1", "127.0.0.1:2"]
+        for replica in inference:  # each replica its own generations and its own pairing check
+            assert isinstance(replica.clients.generations, GenerateMuxClient if generate_mux else GenerateCallClient)
+            assert isinstance(replica.clients.checker, RouteChecker)
+        assert len({id(r.clients.generations) for r in inference}) == 2
+        assert [r.address for r in built.tokenizers.replicas] == ["127.0.0.1:50052"]
         assert built.pipeline.cache is None  # no cache address: caching is off
-        assert isinstance(built.pipeline.router, RouteChecker)
+        assert isinstance(built.pipeline.router, FleetRouter)
     finally:
         await built.close()

@@ -98,6 +98,8 @@ async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
     try:
         for h in (*backends, handle):
             await h.start()
+        for h in backends:
+            await h.begin_serving()  # the gateway routes only to SERVING replicas
         yield gateway
     finally:
         for h in (handle, *backends):
