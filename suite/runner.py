@@ -22,7 +22,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Coroutine, Iterable
 from pathlib import Path
 from typing import IO, TextIO
 
@@ -51,6 +51,7 @@ class Suite:
         self._announcements: dict[str, int] = {}  # name -> read end of its port pipe, until read
         self._logs: list[IO[bytes]] = []
         self._supervisor: Supervisor | None = None
+        self._restarts: dict[str, int] = {}
 
     @property
     def log_dir(self) -> Path:
@@ -149,17 +150,24 @@ class Suite:
             self.stop()
             raise
 
-    async def supervise(self, out: TextIO | None = None) -> None:
+    def supervise(self, out: TextIO | None = None) -> Coroutine[None, None, None]:
         """Restart any child that exits unasked, until the suite stops; raise ``GaveUp`` (after
         stopping the suite) when one fails to start ``max_start_failures`` times in a row.
-        Restarts are reported on ``out`` (default stderr) and in ``logs/supervisor.log``."""
+        Restarts are reported on ``out`` (default stderr) and in ``logs/supervisor.log``.
+
+        The supervisor exists once this returns (run the coroutine as a task), so that
+        ``wait_restarted`` works at once."""
         if self._supervisor is not None:
             raise RuntimeError("the suite is already supervised")
-        self._supervisor = Supervisor(self, out or sys.stderr)
-        try:
-            await self._supervisor.run()
-        finally:
-            self._supervisor = None
+        self._supervisor = supervisor = Supervisor(self, out or sys.stderr, self._restarts)
+
+        async def run() -> None:
+            try:
+                await supervisor.run()
+            finally:
+                self._supervisor = None
+
+        return run()
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to an instance, as a crash would (the supervisor restarts it)."""
@@ -167,7 +175,7 @@ class Suite:
 
     def restart_count(self, name: str) -> int:
         """How many times the supervisor has begun to restart ``name``."""
-        return self._supervisor.restarts.get(name, 0) if self._supervisor is not None else 0
+        return self._restarts.get(name, 0)
 
     async def wait_restarted(self, name: str, count: int, timeout_s: float) -> None:
         """Wait until the ``count``-th restart of ``name`` (or a later one) is SERVING."""

@@ -39,11 +39,11 @@ class GaveUp(RuntimeError):
 class Supervisor:
     """Restarts the children of one running ``Suite``; ``run()`` until the suite stops."""
 
-    def __init__(self, suite: Suite, out: TextIO) -> None:
+    def __init__(self, suite: Suite, out: TextIO, restarts: dict[str, int]) -> None:
         self.suite = suite
         self.out = out
-        self.restarts: dict[str, int] = {}
-        """Restarts begun, by instance."""
+        self.restarts = restarts
+        """Restarts begun, by instance (the suite's own count, kept across supervisors)."""
         self.served: dict[str, int] = {}
         """The number of the latest restart that reported SERVING, by instance."""
         self._progress = asyncio.Condition()

@@ -71,7 +71,8 @@ def test_the_cores_are_split_between_the_replicas(tmp_path: Path, monkeypatch: p
 def test_instance_env_reaches_one_instance_only(tmp_path: Path) -> None:
     config = SuiteConfig.for_tests(tmp_path, inference_replicas=2)
     config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
-    config.instance_env["inference-1"] = {"AISERVE_INFERENCE_FAULT_FILE": "/tmp/fault", "AISERVE_INFERENCE_DTYPE": "bf16"}
+    config.instance_env["inference-1"] = {"AISERVE_INFERENCE_FAULT_FILE": "/tmp/fault",
+                                          "AISERVE_INFERENCE_DTYPE": "bf16"}
     zero, one = config.env_for("inference-0", {}), config.env_for("inference-1", {})
     assert "AISERVE_INFERENCE_FAULT_FILE" not in zero and zero["AISERVE_INFERENCE_DTYPE"] == "float32"
     assert one["AISERVE_INFERENCE_FAULT_FILE"] == "/tmp/fault" and one["AISERVE_INFERENCE_DTYPE"] == "bf16"
