@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -164,3 +166,42 @@ async def test_generations_in_flight_survive_sigterm_of_the_suite(tmp_path: Path
     gateway_stopped = event_time(suite, "gateway", "stopped")
     assert all(gateway_stopped < event_time(suite, name, "stopping") for name in config.backend_names)
     assert all(suite.restart_count(name) == 0 for name in config.instance_names)
+
+
+async def read_until(stdout: asyncio.StreamReader, needle: str, timeout_s: float) -> str:
+    """What ``aiserve run`` printed up to and including the line holding ``needle``."""
+    seen = ""
+    while needle not in seen:
+        line = await asyncio.wait_for(stdout.readline(), timeout_s)
+        if not line:
+            raise AssertionError(f"aiserve run ended before it printed {needle!r}:\n{seen}")
+        seen += line.decode()
+    return seen
+
+
+async def test_aiserve_run_with_two_replicas_drains_on_sigterm_and_exits_0(tmp_path: Path, store: ModelStore) -> None:
+    home = tmp_path / "home"
+    env = {**os.environ, "AISERVE_HOME": str(home), "AISERVE_MODEL_STORE": str(store.root)}
+    for service in ("gateway", "tokenizer", "inference", "cache"):
+        env[f"AISERVE_{service.upper()}_PORT"] = env[f"AISERVE_{service.upper()}_METRICS_PORT"] = "0"
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "suite", "run", "--inference-replicas", "2",
+        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert run.stdout is not None
+    try:
+        banner = await read_until(run.stdout, "aiserve is SERVING", 300)
+        banner += await read_until(run.stdout, "Ctrl-C", TIMEOUT_S)
+        assert "inference-0:" in banner and "inference-1:" in banner
+        assert (home / "admin.key").is_file()
+        run.send_signal(signal.SIGTERM)
+        rest = (await asyncio.wait_for(run.stdout.read(), TIMEOUT_S)).decode()
+        assert await asyncio.wait_for(run.wait(), TIMEOUT_S) == 0, rest
+    finally:
+        if run.returncode is None:  # it failed: stop it the way an operator would (it stops its children)
+            run.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(run.wait(), TIMEOUT_S)
+    stopped = next(line for line in rest.splitlines() if line.startswith("stopped: "))
+    assert stopped.startswith("stopped: gateway exit 0, ")
+    assert sorted(stopped.removeprefix("stopped: ").split(", ")) == sorted(
+        f"{name} exit 0" for name in ("gateway", "tokenizer", "inference-0", "inference-1", "cache"))
+    assert (home / "logs" / "inference-0.log").is_file() and (home / "logs" / "inference-1.log").is_file()
