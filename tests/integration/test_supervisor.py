@@ -10,7 +10,7 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -181,12 +181,9 @@ async def read_until(stdout: asyncio.StreamReader, needle: str, timeout_s: float
 
 async def test_aiserve_run_with_two_replicas_drains_on_sigterm_and_exits_0(tmp_path: Path, store: ModelStore) -> None:
     home = tmp_path / "home"
-    env = {**os.environ, "AISERVE_HOME": str(home), "AISERVE_MODEL_STORE": str(store.root)}
-    for service in ("gateway", "tokenizer", "inference", "cache"):
-        env[f"AISERVE_{service.upper()}_PORT"] = env[f"AISERVE_{service.upper()}_METRICS_PORT"] = "0"
     run = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "suite", "run", "--inference-replicas", "2",
-        env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        env=suite_env(home, store.root), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     assert run.stdout is not None
     try:
         banner = await read_until(run.stdout, "aiserve is SERVING", 300)
@@ -205,3 +202,54 @@ async def test_aiserve_run_with_two_replicas_drains_on_sigterm_and_exits_0(tmp_p
     assert sorted(stopped.removeprefix("stopped: ").split(", ")) == sorted(
         f"{name} exit 0" for name in ("gateway", "tokenizer", "inference-0", "inference-1", "cache"))
     assert (home / "logs" / "inference-0.log").is_file() and (home / "logs" / "inference-1.log").is_file()
+
+
+def children_of(pid: int) -> dict[str, int]:
+    """The child processes of ``pid`` by the module they run (``services.tokenizer``: pid)."""
+    found = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            found[argv[2].decode()] = int(child)
+    return found
+
+
+def still_running(pids: Iterable[int]) -> list[int]:
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def suite_env(home: Path, store_root: Path) -> dict[str, str]:
+    """``aiserve run``'s environment: its own home and store, every port bound by the service."""
+    env = {**os.environ, "AISERVE_HOME": str(home), "AISERVE_MODEL_STORE": str(store_root)}
+    for service in ("gateway", "tokenizer", "inference", "cache"):
+        env[f"AISERVE_{service.upper()}_PORT"] = env[f"AISERVE_{service.upper()}_METRICS_PORT"] = "0"
+    return env
+
+
+async def test_aiserve_run_gives_up_on_a_service_that_cannot_start_again(tmp_path: Path, store: ModelStore) -> None:
+    link = tmp_path / "store"  # the model store, through a link the test can point elsewhere
+    link.symlink_to(store.root)
+    run = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "suite", "run", env=suite_env(tmp_path / "home", link),
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    assert run.stdout is not None
+    try:
+        await read_until(run.stdout, "Ctrl-C", 300)
+        children = children_of(run.pid)
+        assert set(children) == {f"services.{name}" for name in ("gateway", "tokenizer", "inference", "cache")}
+        (tmp_path / "empty").mkdir()
+        link.unlink()
+        link.symlink_to(tmp_path / "empty")  # from now on the model is not in the store
+        os.kill(children["services.tokenizer"], signal.SIGKILL)
+        # Five failed starts, 1 + 2 + 4 + 8 + 16 s apart, then it gives up and stops everything.
+        rest = (await asyncio.wait_for(run.stdout.read(), 240)).decode()
+        assert await asyncio.wait_for(run.wait(), TIMEOUT_S) == 1, rest
+    finally:
+        if run.returncode is None:
+            run.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(run.wait(), TIMEOUT_S)
+    assert "aiserve: tokenizer exited with code -9 unasked; restart 1 in 1.0s" in rest
+    assert "restart 5 in 16.0s" in rest and "restart 6" not in rest
+    assert "aiserve: tokenizer failed to start 5 times in a row (last exit code 2)" in rest
+    assert "not in the store" in rest  # the end of the tokenizer's log says why
+    assert not still_running(children.values())  # it stopped every service
