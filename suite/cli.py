@@ -1,7 +1,8 @@
 """The ``aiserve`` command: model store, running the suite, and a chat client.
 
     aiserve models pull|list|verify NAME@VERSION|import PATH --name N --version V
-    aiserve run                      # the four services, until Ctrl-C / SIGTERM
+    aiserve run [--inference-replicas N]  # the services, supervised, until Ctrl-C / SIGTERM
+    aiserve status [--json]          # the fleet as the gateway sees it
     aiserve chat "prompt"            # stream an answer from a running suite
     aiserve keys create|list|revoke  # API keys and tenants
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
@@ -23,8 +24,10 @@ from aiserve import store as model_store
 from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from suite.admin import add_commands
-from suite.process import wait_exit
+from suite.config import REPLICAS_ENV
 from suite.runner import Suite, SuiteConfig
+from suite.status import add_status_command
+from suite.supervisor import GaveUp
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
@@ -58,53 +61,61 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    """``aiserve run``: the four services until Ctrl-C or SIGTERM."""
-    config = SuiteConfig.from_env(os.environ)
-    suite = Suite(config)
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        print(f"starting aiserve (home {config.home}, logs in {suite.log_dir}) ...", flush=True)
-        started = time.perf_counter()
-        await suite.start(timeout_s=args.timeout)
-        key_file = suite.dev_key_path
-        print(
-            f"aiserve is SERVING after {time.perf_counter() - started:.1f}s\n"
-            f"  gateway:  {config.address('gateway')}  (aiserve.v1.Gateway; reflection enabled)\n"
-            f"  try:      .venv/bin/aiserve chat \"What is the capital of France?\"\n"
-            f"  or:       grpcurl -plaintext -H \"authorization: Bearer $(cat {key_file})\" "
-            f"-d '{{\"prompt\":\"Hello\"}}' {config.address('gateway')} aiserve.v1.Gateway/Generate\n"
-            f"  API key:  {key_file} (tenant 'dev', tier paid; `aiserve chat` reads it)\n"
-            f"Ctrl-C stops all four services.",
-            flush=True,
-        )
-        waiter = asyncio.create_task(stop.wait())
-        exited = asyncio.create_task(_first_exit(suite))
-        done, _ = await asyncio.wait({waiter, exited}, return_when=asyncio.FIRST_COMPLETED)
-        if exited in done:
-            print(f"service {exited.result()} exited; stopping the suite", file=sys.stderr)
-        print("stopping ...", flush=True)
-        suite.stop()
-        waiter.cancel()
-        print("stopped", flush=True)
-
+    """``aiserve run``: the suite, supervised, until Ctrl-C or SIGTERM; then drain it. Exit 0
+    after a clean drain, 1 when a child did not exit 0 or the supervisor gave up on one."""
     try:
-        asyncio.run(run())
+        config = SuiteConfig.from_env(os.environ, args.inference_replicas)
+    except ValueError as exc:
+        print(f"aiserve: {exc}", file=sys.stderr)
+        return 2
+    suite = Suite(config)
+    try:
+        return asyncio.run(_run(suite, args.timeout))
     finally:
-        suite.stop()
-    return 0
+        suite.stop()  # after an error in _run: nothing is left running
 
 
-async def _first_exit(suite: Suite) -> str:
-    """Wait until one child exits, and name it."""
-    waits = {asyncio.create_task(wait_exit(p)): n for n, p in suite.processes.items()}
-    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for task in pending:
-        task.cancel()
-    return waits[next(iter(done))]
+async def _run(suite: Suite, timeout_s: float) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"starting aiserve (home {suite.config.home}, logs in {suite.log_dir}) ...", flush=True)
+    started = time.perf_counter()
+    await suite.start(timeout_s=timeout_s)
+    print(_banner(suite, time.perf_counter() - started), flush=True)
+    supervisor = asyncio.create_task(suite.supervise())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({supervisor, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if supervisor.done():
+        stopping.cancel()
+        try:
+            supervisor.result()
+        except GaveUp as exc:
+            print(f"aiserve: {exc}", file=sys.stderr)
+        return 1
+    print("stopping: draining the gateway, then the backends ...", flush=True)
+    codes = await suite.shutdown()
+    await supervisor
+    print("stopped: " + ", ".join(f"{name} exit {code}" for name, code in codes.items()), flush=True)
+    return 0 if all(code == 0 for code in codes.values()) else 1
+
+
+def _banner(suite: Suite, seconds: float) -> str:
+    config, key_file = suite.config, suite.dev_key_path
+    gateway = config.address("gateway")
+    replicas = "".join(f"\n  {name}:  {config.address(name)}" for name in suite.inference_names
+                       if len(suite.inference_names) > 1)
+    return (
+        f"aiserve is SERVING after {seconds:.1f}s\n"
+        f"  gateway:  {gateway}  (aiserve.v1.Gateway; reflection enabled){replicas}\n"
+        f"  try:      .venv/bin/aiserve chat \"What is the capital of France?\"\n"
+        f"  or:       grpcurl -plaintext -H \"authorization: Bearer $(cat {key_file})\" "
+        f"-d '{{\"prompt\":\"Hello\"}}' {gateway} aiserve.v1.Gateway/Generate\n"
+        f"  API key:  {key_file} (tenant 'dev', tier paid; `aiserve chat` reads it)\n"
+        f"  status:   .venv/bin/aiserve status  (admin key in {suite.admin_key_path})\n"
+        f"A service that exits is restarted; Ctrl-C drains and stops them all."
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -135,8 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--force", action="store_true", help="pull again even if installed")
     models.set_defaults(func=cmd_models)
 
-    run = sub.add_parser("run", help="start the four services until Ctrl-C")
+    run = sub.add_parser("run", help="start the services, supervised, until Ctrl-C")
     run.add_argument("--timeout", type=float, default=300, help="seconds to wait for SERVING")
+    run.add_argument("--inference-replicas", type=_positive_int, default=None, metavar="N",
+                     help=f"inference processes (default ${REPLICAS_ENV}, else 1)")
     run.set_defaults(func=cmd_run)
 
     chat_p = sub.add_parser("chat", help="stream an answer from a running suite")
@@ -149,7 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat_p.set_defaults(func=cmd_chat)
 
     add_commands(sub)
+    add_status_command(sub)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> None:
