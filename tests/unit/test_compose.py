@@ -23,7 +23,7 @@ import yaml
 from aiserve import healthprobe
 from aiserve.common.server import ServiceHandle, new_server
 from aiserve.store import DEFAULT_MODEL
-from suite.runner import DEFAULT_PORTS
+from suite.config import DEFAULT_PORTS
 
 ROOT = Path(__file__).resolve().parents[2]
 BACKENDS = ("tokenizer", "inference", "cache")
