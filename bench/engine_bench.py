@@ -20,11 +20,9 @@ Writes bench/results/engine.json and engine.png.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -32,18 +30,15 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
-from aiserve.common.logging import configure_logging
 from aiserve.common.paths import model_store_path
 from aiserve.model_facts import read_model_facts
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.engine_report import add_ratios, plot
 from bench.hf_baseline import HF, hf_sequential, hf_static, hf_static_mixed
-from bench.measure import machine, median_run
+from bench.measure import machine, median_run, run_and_write
 from bench.served import Served, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
 from bench.workload import Arrival, chat_ids, prompts
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -154,13 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mixed-spread-s", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)
     args = parser.parse_args(argv)
-    configure_logging("bench", "warning")
-    started = time.perf_counter()
-    report = asyncio.run(bench(args))
-    report["wall_s"] = round(time.perf_counter() - started, 1)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "engine.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "engine.png")
+    report = run_and_write("engine", bench, args, plot)
     print(json.dumps({k: v for k, v in report.items() if k != "d_sweep"}, indent=1)[:4000])
     print("sweep:", [(p["max_num_seqs"], round(p["tokens_per_s"]), p["time_per_token"]["p50_ms"]) for p in
                      report["d_sweep"]["points"]], "knee", report["d_sweep"]["knee"])

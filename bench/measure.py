@@ -3,14 +3,18 @@ timing (first token, gaps, time per output token), and the median of repeated ru
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aiserve.common.logging import configure_logging
 
 
 def percentiles(samples_ms: Sequence[float]) -> dict[str, float]:
@@ -75,3 +79,21 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median throughput, plus every run's throughput (``runs_tokens_per_s``)."""
     ordered = sorted(runs, key=lambda r: r["tokens_per_s"])
     return {**ordered[len(ordered) // 2], "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs]}
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where every benchmark writes its JSON and PNG (git-ignored)."""
+
+
+def run_and_write(name: str, bench: Callable[[Any], Coroutine[Any, Any, dict[str, Any]]], args: Any,
+                  plot: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """Run ``bench(args)`` with quiet logs, add its wall time, and write ``RESULTS/<name>.json``
+    and ``<name>.png``; the report."""
+    configure_logging("bench", "warning")
+    started = time.perf_counter()
+    report = asyncio.run(bench(args))
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / f"{name}.png")
+    return report

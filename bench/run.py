@@ -1,6 +1,13 @@
-"""`make bench`: the engine benchmark (bench/engine_bench.py); the cache one is bench.cache_bench."""
+"""`make bench`: the engine benchmark (bench/engine_bench.py), then the fleet one
+(bench/fleet_bench.py: one vs two inference replicas, SIGKILL of a replica under load); the
+cache one is bench.cache_bench."""
 
-from bench.engine_bench import main
+from bench import engine_bench, fleet_bench
+
+
+def main() -> int:
+    return engine_bench.main() or fleet_bench.main([])
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

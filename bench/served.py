@@ -62,9 +62,11 @@ class Served:
                 "time_per_token": tpot(timings)}
 
 
-async def start_suite(home: Path, store: ModelStore, env: dict[str, str] | None = None) -> Suite:
-    """The four services on free ports under ``home``, over ``store``, with settings ``env``."""
-    config = SuiteConfig.for_tests(home)
+async def start_suite(home: Path, store: ModelStore, env: dict[str, str] | None = None,
+                      replicas: int = 1) -> Suite:
+    """The four services on free ports under ``home``, over ``store``, with settings ``env``
+    and ``replicas`` inference instances (the cores split between them)."""
+    config = SuiteConfig.for_tests(home, inference_replicas=replicas)
     config.extra_env.update({"AISERVE_MODEL_STORE": str(store.root), **(env or {})})
     suite = Suite(config)
     try:

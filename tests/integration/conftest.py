@@ -24,7 +24,7 @@ def suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterat
     # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
     config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
     config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = str(SUITE_MAX_NUM_SEQS)
-    yield from _run_suite(config)
+    yield from run_suite(config)
 
 
 SUITE_MAX_NUM_SEQS = 32
@@ -39,10 +39,11 @@ def small_batch_suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStor
     config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
     config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = "2"
     config.extra_env["AISERVE_INFERENCE_KV_CACHE_BYTES"] = str(256 << 20)
-    yield from _run_suite(config)
+    yield from run_suite(config)
 
 
-def _run_suite(config: SuiteConfig) -> Iterator[Suite]:
+def run_suite(config: SuiteConfig) -> Iterator[Suite]:
+    """A module fixture's body: the suite started (SERVING), yielded, stopped at the end."""
     suite = Suite(config)
     try:
         asyncio.run(suite.start(timeout_s=300))

@@ -30,7 +30,7 @@ from aiserve.v1 import (
     status_pb2,
 )
 from suite.runner import Suite, SuiteConfig
-from tests.integration.conftest import auth, dev_key, eventually, ledger_rows, new_request_id
+from tests.integration.conftest import auth, dev_key, eventually, ledger_rows, new_request_id, run_suite
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 REPLICAS = ("inference-0", "inference-1")
@@ -49,12 +49,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterat
     })
     for name in REPLICAS:
         config.instance_env[name] = {"AISERVE_INFERENCE_FAULT_FILE": str(fault_file(home, name))}
-    suite = Suite(config)
-    try:
-        asyncio.run(suite.start(timeout_s=300))
-        yield suite
-    finally:
-        suite.stop()
+    yield from run_suite(config)
 
 
 def fault_file(home: Path, name: str) -> Path:
