@@ -35,8 +35,11 @@ class HealthConfig:
 
     health_probe_interval_s: float = 5.0
     """Seconds between two health checks (a failed engine step checks at once). 0.1..3600."""
-    health_probe_timeout_s: float = 10.0
-    """A probe that has not answered after this many seconds fails (NOT_SERVING). 0.1..600."""
+    health_probe_timeout_s: float = 30.0
+    """A probe that has not answered after this many seconds fails (NOT_SERVING). 0.1..600.
+    The wait includes the engine step in flight: on a 2-core VM loaded three times over, the
+    first step of 32 new float32 sequences kept a probe waiting past 10 s, so a shorter default
+    turned a slow but working replica NOT_SERVING (docs/decisions.md, decision 43)."""
     min_free_memory_bytes: int = 256 * MIB
     """Below this much free memory the service is NOT_SERVING; 0 = no floor. Free memory is
     MemAvailable, capped by the cgroup v2 limit's room (memory.max - memory.current) where one

@@ -188,7 +188,7 @@ def test_validate_rejects_a_bad_health_setting(name: str, value: object) -> None
 
 def test_the_health_defaults() -> None:
     config = config_with(InferenceConfig, fault_file="fault")
-    assert config.health == HealthConfig(5.0, 10.0, 256 << 20, "fault")
+    assert config.health == HealthConfig(5.0, 30.0, 256 << 20, "fault")
 
 
 # --- the service over real gRPC ---------------------------------------------------------------
