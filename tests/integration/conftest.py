@@ -19,10 +19,7 @@ from suite.runner import Suite, SuiteConfig
 
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterator[Suite]:
-    config = SuiteConfig.for_tests(tmp_path_factory.mktemp("aiserve-home"))
-    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
-    # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
-    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+    config = suite_config(tmp_path_factory.mktemp("aiserve-home"), store)
     config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = str(SUITE_MAX_NUM_SEQS)
     yield from run_suite(config)
 
@@ -34,12 +31,30 @@ SUITE_MAX_NUM_SEQS = 32
 @pytest.fixture(scope="module")
 def small_batch_suite(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterator[Suite]:
     """A second suite whose engine runs at most 2 sequences at once, so a queue forms (priority)."""
-    config = SuiteConfig.for_tests(tmp_path_factory.mktemp("aiserve-small"))
-    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
-    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+    config = suite_config(tmp_path_factory.mktemp("aiserve-small"), store)
     config.extra_env["AISERVE_INFERENCE_MAX_NUM_SEQS"] = "2"
     config.extra_env["AISERVE_INFERENCE_KV_CACHE_BYTES"] = str(256 << 20)
     yield from run_suite(config)
+
+
+TEST_TORCH_THREADS = 1
+"""torch threads of the test suites' inference service. The tests share the machine's cores
+with four services, pytest and whatever else runs there; a team of OpenMP threads as wide as
+the cores then spins at each parallel region's barrier for a partner the kernel has not
+scheduled. On the 2-core VM with two busy processes beside it, a 2-sequence decode step of
+the small-batch suite took 0.9-1.7 s on 2 threads and 0.1 s on one, so a test of ~75 steps
+overran its 120 s deadline (docs/decisions.md, decision 48)."""
+
+
+def suite_config(home: Path, store: ModelStore) -> SuiteConfig:
+    """A test suite's settings: free ports, the test model store, float32, TEST_TORCH_THREADS."""
+    config = SuiteConfig.for_tests(home)
+    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
+    # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
+    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+    # In extra_env, not inference_threads: it must win over the caller's environment too.
+    config.extra_env["AISERVE_INFERENCE_TORCH_THREADS"] = str(TEST_TORCH_THREADS)
+    return config
 
 
 def run_suite(config: SuiteConfig) -> Iterator[Suite]:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import grpc
 from grpc import aio
 
 from aiserve.v1 import gateway_pb2, gateway_pb2_grpc
 from suite.runner import Suite
-from tests.integration.conftest import auth, create_tenant, eventually, ledger_rows, log_records, new_request_id
+from tests.integration.conftest import (
+    TEST_TORCH_THREADS,
+    auth,
+    create_tenant,
+    eventually,
+    ledger_rows,
+    log_records,
+    new_request_id,
+)
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 GENERATION_METHODS = {"/aiserve.v1.Inference/Generate", "/aiserve.v1.Inference/GenerateMux:stream"}
@@ -63,6 +72,19 @@ async def test_a_paid_request_behind_a_queue_of_free_ones_is_admitted_before_all
     waiting = [name for name in first_token if name.startswith("free") and name not in running]
     assert waiting, f"all {FREE_QUEUE} free requests ran at once: raise FREE_QUEUE above the batch size"
     assert first_token.index("paid") < min(first_token.index(name) for name in waiting), first_token
+
+
+def inference_environ(suite: Suite) -> dict[str, str]:
+    """The environment the suite's inference process runs with (Linux: /proc/<pid>/environ)."""
+    raw = Path(f"/proc/{suite.processes['inference'].pid}/environ").read_bytes()
+    return dict(entry.split("=", 1) for entry in raw.decode().split("\0") if "=" in entry)
+
+
+def test_the_test_suites_run_inference_on_one_torch_thread(suite: Suite, small_batch_suite: Suite) -> None:
+    # A torch thread per core spins at every barrier on a shared machine: a decode step of the
+    # queue test then took ~1 s, and its 6 x 24 tokens overran the 120 s deadline.
+    for running in (suite, small_batch_suite):
+        assert inference_environ(running)["AISERVE_INFERENCE_TORCH_THREADS"] == str(TEST_TORCH_THREADS)
 
 
 async def test_client_cancel_stops_the_generation(suite: Suite) -> None:
