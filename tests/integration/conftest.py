@@ -46,14 +46,21 @@ the small-batch suite took 0.9-1.7 s on 2 threads and 0.1 s on one, so a test of
 overran its 120 s deadline (docs/decisions.md, decision 48)."""
 
 
-def suite_config(home: Path, store: ModelStore) -> SuiteConfig:
-    """A test suite's settings: free ports, the test model store, float32, TEST_TORCH_THREADS."""
-    config = SuiteConfig.for_tests(home)
-    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
-    # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
-    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
+def config_for_tests(home: Path, store_root: Path, inference_replicas: int = 1) -> SuiteConfig:
+    """Settings of a suite a test starts: free ports, the model store at ``store_root``,
+    TEST_TORCH_THREADS per inference instance."""
+    config = SuiteConfig.for_tests(home, inference_replicas=inference_replicas)
+    config.extra_env["AISERVE_MODEL_STORE"] = str(store_root)
     # In extra_env, not inference_threads: it must win over the caller's environment too.
     config.extra_env["AISERVE_INFERENCE_TORCH_THREADS"] = str(TEST_TORCH_THREADS)
+    return config
+
+
+def suite_config(home: Path, store: ModelStore) -> SuiteConfig:
+    """A shared test suite's settings: ``config_for_tests`` over the test model store, float32."""
+    config = config_for_tests(home, store.root)
+    # float32: greedy answers are then reproducible across batch compositions (docs/engine.md).
+    config.extra_env["AISERVE_INFERENCE_DTYPE"] = "float32"
     return config
 
 

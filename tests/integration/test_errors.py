@@ -18,8 +18,8 @@ from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_server
-from suite.runner import Suite, SuiteConfig
-from tests.integration.conftest import auth, dev_key
+from suite.runner import Suite
+from tests.integration.conftest import auth, config_for_tests, dev_key
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, complete
 
 
@@ -115,8 +115,7 @@ async def other_tokenizer(tmp_path: Path, store: ModelStore, model_ref: ModelRef
     tokenizer_json.write_text(json.dumps(json.loads(tokenizer_json.read_text()), indent=1))
     (folder / "manifest.json").unlink()
     ModelStore(other).install(model_ref, folder, {"test": "re-serialised tokenizer"})
-    config = SuiteConfig.for_tests(tmp_path / "home")
-    config.extra_env["AISERVE_MODEL_STORE"] = str(other)
+    config = config_for_tests(tmp_path / "home", other)
     side = Suite(config)
     side.start_service("tokenizer")
     try:
@@ -154,8 +153,7 @@ async def test_tampered_model_file_makes_the_service_refuse_to_start(
     folder = _copy_model(store, model_ref, tmp_path / "store")
     config_json = folder / "config.json"
     config_json.write_text(config_json.read_text().replace('"num_hidden_layers": 30', '"num_hidden_layers": 29'))
-    config = SuiteConfig.for_tests(tmp_path / "home")
-    config.extra_env["AISERVE_MODEL_STORE"] = str(tmp_path / "store")
+    config = config_for_tests(tmp_path / "home", tmp_path / "store")
     side = Suite(config)
     try:
         for service in ("tokenizer", "inference"):

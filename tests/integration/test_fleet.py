@@ -29,8 +29,16 @@ from aiserve.v1 import (
     inference_pb2_grpc,
     status_pb2,
 )
-from suite.runner import Suite, SuiteConfig
-from tests.integration.conftest import auth, dev_key, eventually, ledger_rows, new_request_id, run_suite
+from suite.runner import Suite
+from tests.integration.conftest import (
+    auth,
+    config_for_tests,
+    dev_key,
+    eventually,
+    ledger_rows,
+    new_request_id,
+    run_suite,
+)
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 REPLICAS = ("inference-0", "inference-1")
@@ -39,9 +47,8 @@ REPLICAS = ("inference-0", "inference-1")
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -> Iterator[Suite]:
     home = tmp_path_factory.mktemp("aiserve-fleet")
-    config = SuiteConfig.for_tests(home, inference_replicas=2)
+    config = config_for_tests(home, store.root, inference_replicas=2)
     config.extra_env.update({
-        "AISERVE_MODEL_STORE": str(store.root),
         "AISERVE_INFERENCE_MAX_NUM_SEQS": "32",
         "AISERVE_INFERENCE_KV_CACHE_BYTES": str(1 << 30),
         "AISERVE_INFERENCE_MAX_SEQ_LEN": "1024",

@@ -21,15 +21,14 @@ from aiserve.store import ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from suite.runner import Suite, SuiteConfig
 from suite.supervisor import GaveUp
-from tests.integration.conftest import auth, dev_key, log_records
+from tests.integration.conftest import auth, config_for_tests, dev_key, log_records
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 NUM_STREAMS = 16
 
 
 def config_for(home: Path, store: ModelStore) -> SuiteConfig:
-    config = SuiteConfig.for_tests(home)
-    config.extra_env["AISERVE_MODEL_STORE"] = str(store.root)
+    config = config_for_tests(home, store.root)
     config.restart_backoff_s = 0.2
     return config
 
