@@ -33,6 +33,7 @@ from services.gateway.tenants import ensure_dev_key
 from suite.config import BACKENDS, SERVICE_CONFIGS, SERVICES, SuiteConfig, service_of
 from suite.process import read_announced_port, spawn_service, wait_exit
 from suite.supervisor import Supervisor
+from suite.version_instances import stop_all_versions
 
 __all__ = ["BACKENDS", "SERVICES", "SERVICE_CONFIGS", "Suite", "SuiteConfig"]
 
@@ -228,13 +229,16 @@ class Suite:
 
     async def shutdown(self, timeout_s: float = STOP_TIMEOUT_S) -> dict[str, int | None]:
         """Drain and stop the suite: the gateway first (its streams finish within its grace
-        period), then the backends at once; every child's exit code by instance."""
+        period), then the backends at once, with the processes of any version a rollout started
+        (suite/version_instances.py); every child's exit code by instance."""
         self._begin_closing()
         codes: dict[str, int | None] = {}
         if "gateway" in self.processes:
             codes["gateway"] = await self._shutdown_service("gateway", timeout_s)
         backends = list(self.processes)
+        versions = asyncio.ensure_future(asyncio.to_thread(stop_all_versions, self.config.home, timeout_s))
         results = await asyncio.gather(*(self._shutdown_service(name, timeout_s) for name in backends))
+        await versions
         codes.update(zip(backends, results, strict=True))
         self._close_logs()
         return codes
@@ -243,6 +247,7 @@ class Suite:
         """``shutdown`` for callers without a running event loop (fixtures); the gateway first."""
         self._begin_closing()
         codes = {name: self.stop_service(name) for name in self._stop_order()}
+        stop_all_versions(self.config.home)  # versions a rollout started beside the suite
         self._close_logs()
         return codes
 
