@@ -5,9 +5,9 @@ worse one back (docs/rollouts.md, "The judgement"; docs/decisions.md, decision 5
 else the first figure the canary is worse on (error rate, TTFT p95, TPOT p95) -> ROLL_BACK
 naming the figure, both values and the margins; else KEEP. "Worse" needs both a ratio and an
 absolute margin, so a tiny difference between two small numbers never trips a ratio.
-``CanaryJudge`` holds one canary's streak: it rolls back only after ``rollback_after`` worse
-judgements in a row. ``judge_loop`` judges every canary every ``judge_interval_s`` and rolls
-back through a callback; ``CanaryMetrics.on_verdict`` counts verdicts and rollbacks.
+``CanaryJudge`` holds one canary's streak: it rolls back only after ``canary_rollback_after``
+worse judgements in a row. ``judge_loop`` judges every canary every ``canary_judge_interval_s``
+and rolls back through a callback; ``CanaryMetrics.on_verdict`` counts verdicts and rollbacks.
 
 No grpc, no pb: the gateway gives the loop plain figures and callbacks.
 """
@@ -32,40 +32,44 @@ log = get_logger("canary_judge")
 class JudgeConfig:
     """When and how the gateway judges its canaries (services/gateway/canary_judge.py)."""
 
-    judge_interval_s: float = 30.0
+    canary_judge_interval_s: float = 30.0
     """Seconds between two judgements of every canary. 1..3600."""
-    window_s: float = 300.0
+    canary_window_s: float = 300.0
     """Seconds of finished requests each judgement compares (the figures' window). 10..86400."""
-    min_requests: int = 50
+    canary_min_requests: int = 50
     """Requests each side needs in the window before it is judged (else TOO_FEW). 1..1000000."""
-    error_rate_margin: float = 0.02
+    canary_error_rate_margin: float = 0.02
     """The canary's error rate must exceed the stable one by more than this (absolute, 0.02 = 2
     percentage points) ... 0..1."""
-    error_rate_ratio: float = 1.5
+    canary_error_rate_ratio: float = 1.5
     """... and be more than this many times the stable one to count as worse. 1..100."""
-    ttft_p95_ratio: float = 1.5
+    canary_ttft_p95_ratio: float = 1.5
     """The canary's TTFT p95 must be more than this many times the stable one ... 1..100."""
-    ttft_p95_margin_ms: float = 50.0
+    canary_ttft_p95_margin_ms: float = 50.0
     """... and more than this many ms above it to count as worse. 0..600000."""
-    tpot_p95_ratio: float = 1.5
-    """The canary's time per output token p95 must be more than this many times the stable one ... 1..100."""
-    tpot_p95_margin_ms: float = 10.0
+    canary_tpot_p95_ratio: float = 1.5
+    """The canary's time per output token p95 must be more than this many times the stable one
+    ... 1..100."""
+    canary_tpot_p95_margin_ms: float = 10.0
     """... and more than this many ms above it to count as worse. 0..600000."""
-    rollback_after: int = 2
+    canary_rollback_after: int = 2
     """Worse judgements in a row that roll the canary back (1 = the first). 1..100."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
-        require(1 <= self.judge_interval_s <= 3600,
-                f"judge_interval_s: must be 1..3600 s, got {self.judge_interval_s}")
-        require(10 <= self.window_s <= 86_400, f"window_s: must be 10..86400 s, got {self.window_s}")
-        require(1 <= self.min_requests <= 1_000_000, f"min_requests: must be 1..1000000, got {self.min_requests}")
-        require(0 <= self.error_rate_margin <= 1, f"error_rate_margin: must be 0..1, got {self.error_rate_margin}")
-        for name in ("error_rate_ratio", "ttft_p95_ratio", "tpot_p95_ratio"):
-            require(1 <= getattr(self, name) <= 100, f"{name}: must be 1..100, got {getattr(self, name)}")
-        for name in ("ttft_p95_margin_ms", "tpot_p95_margin_ms"):
-            require(0 <= getattr(self, name) <= 600_000, f"{name}: must be 0..600000 ms, got {getattr(self, name)}")
-        require(1 <= self.rollback_after <= 100, f"rollback_after: must be 1..100, got {self.rollback_after}")
+        self._within("canary_judge_interval_s", 1, 3600, " s")
+        self._within("canary_window_s", 10, 86_400, " s")
+        self._within("canary_min_requests", 1, 1_000_000)
+        self._within("canary_error_rate_margin", 0, 1)
+        for name in ("canary_error_rate_ratio", "canary_ttft_p95_ratio", "canary_tpot_p95_ratio"):
+            self._within(name, 1, 100)
+        for name in ("canary_ttft_p95_margin_ms", "canary_tpot_p95_margin_ms"):
+            self._within(name, 0, 600_000, " ms")
+        self._within("canary_rollback_after", 1, 100)
+
+    def _within(self, name: str, low: float, high: float, unit: str = "") -> None:
+        value = getattr(self, name)
+        require(low <= value <= high, f"{name}: must be {low}..{high}{unit}, got {value}")
 
 
 class Decision(enum.Enum):
@@ -90,9 +94,9 @@ KEEP = Verdict(Decision.KEEP)
 
 def compare(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> Verdict:
     """The rule on one pair of windows, without any memory of earlier ones."""
-    needed = max(config.min_requests - stable.requests, config.min_requests - canary.requests)
+    needed = max(config.canary_min_requests - stable.requests, config.canary_min_requests - canary.requests)
     if needed > 0:
-        return Verdict(Decision.TOO_FEW, f"each side needs {config.min_requests} requests in the window: "
+        return Verdict(Decision.TOO_FEW, f"each side needs {config.canary_min_requests} requests in the window: "
                                          f"stable has {stable.requests}, canary {canary.requests}", needed)
     for reason in (_worse_errors(stable, canary, config), _worse_ttft(stable, canary, config),
                    _worse_tpot(stable, canary, config)):
@@ -103,24 +107,24 @@ def compare(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -
 
 def _worse_errors(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
     s, c = stable.error_rate, canary.error_rate
-    if c > s + config.error_rate_margin and c > s * config.error_rate_ratio:
-        return (f"canary error rate {c:.1%} > stable {s:.1%} + {config.error_rate_margin * 100:g} points "
-                f"and x {config.error_rate_ratio:g}")
+    if c > s + config.canary_error_rate_margin and c > s * config.canary_error_rate_ratio:
+        return (f"canary error rate {c:.1%} > stable {s:.1%} + {config.canary_error_rate_margin * 100:g} points "
+                f"and x {config.canary_error_rate_ratio:g}")
     return ""
 
 
 def _worse_ttft(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
-    if min(stable.ttft_samples, canary.ttft_samples) < config.min_requests:
+    if min(stable.ttft_samples, canary.ttft_samples) < config.canary_min_requests:
         return ""  # mostly cache hits or failures: too few first tokens to compare
-    return _worse_latency("ttft p95", stable.ttft_p95_ms, canary.ttft_p95_ms, config.ttft_p95_ratio,
-                          config.ttft_p95_margin_ms)
+    return _worse_latency("ttft p95", stable.ttft_p95_ms, canary.ttft_p95_ms, config.canary_ttft_p95_ratio,
+                          config.canary_ttft_p95_margin_ms)
 
 
 def _worse_tpot(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
-    if min(stable.tpot_samples, canary.tpot_samples) < config.min_requests:
+    if min(stable.tpot_samples, canary.tpot_samples) < config.canary_min_requests:
         return ""
-    return _worse_latency("tpot p95", stable.tpot_p95_ms, canary.tpot_p95_ms, config.tpot_p95_ratio,
-                          config.tpot_p95_margin_ms)
+    return _worse_latency("tpot p95", stable.tpot_p95_ms, canary.tpot_p95_ms, config.canary_tpot_p95_ratio,
+                          config.canary_tpot_p95_margin_ms)
 
 
 def _worse_latency(figure: str, s: float, c: float, ratio: float, margin_ms: float) -> str:
@@ -130,7 +134,7 @@ def _worse_latency(figure: str, s: float, c: float, ratio: float, margin_ms: flo
 
 
 class CanaryJudge:
-    """One canary's judgements: ROLL_BACK only after ``rollback_after`` worse ones in a row.
+    """One canary's judgements: ROLL_BACK only after ``canary_rollback_after`` worse ones in a row.
 
     A better window ends the streak; a TOO_FEW window leaves it as it is (no evidence either
     way, e.g. a lull in traffic)."""
@@ -148,10 +152,10 @@ class CanaryJudge:
             self.streak = 0
             return verdict
         self.streak += 1
-        if self.streak >= self.config.rollback_after:
+        if self.streak >= self.config.canary_rollback_after:
             return verdict
-        return Verdict(Decision.KEEP, f"{verdict.reason} ({self.streak} of {self.config.rollback_after} "
-                                      f"in a row to roll back)")
+        return Verdict(Decision.KEEP, f"{verdict.reason} ({self.streak} of "
+                                      f"{self.config.canary_rollback_after} in a row to roll back)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,13 +179,13 @@ OnVerdict = Callable[[str, Verdict], None]
 
 async def judge_loop(config: JudgeConfig, read_figures: ReadFigures, rollback: Rollback, on_verdict: OnVerdict,
                      sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
-    """Every ``judge_interval_s``: judge every canary ``read_figures`` gives and roll back each
-    route with a ROLL_BACK; ``on_verdict`` hears every verdict that took effect (a ROLL_BACK once
+    """Every ``canary_judge_interval_s``: judge every canary ``read_figures`` gives and roll back
+    each route with a ROLL_BACK; ``on_verdict`` hears every verdict that took effect (a ROLL_BACK once
     its rollback is done). Runs until cancelled. A failing read or rollback is logged and tried
     again at the next judgement (the streak stays, so a failed rollback is retried then)."""
     judges: dict[tuple[str, str], CanaryJudge] = {}
     while True:
-        await sleep(config.judge_interval_s)
+        await sleep(config.canary_judge_interval_s)
         try:
             pairings = await read_figures()
         except Exception as exc:  # noqa: BLE001 - the loop must outlive a bad read

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 from prometheus_client import CollectorRegistry
 
-from aiserve.common.config import ConfigError
+from aiserve.common.config import ConfigError, load_config
 from services.gateway.canary_judge import (
     KEEP,
     CanaryJudge,
@@ -23,6 +23,7 @@ from services.gateway.canary_judge import (
     compare,
     judge_loop,
 )
+from services.gateway.config import GatewayConfig
 from services.gateway.version_window import WindowFigures
 
 CONFIG = JudgeConfig()
@@ -100,22 +101,24 @@ def test_a_window_with_too_few_requests_neither_ends_nor_extends_a_streak() -> N
 
 
 def test_rollback_after_one_judges_at_once() -> None:
-    judge = CanaryJudge(JudgeConfig(rollback_after=1))
+    judge = CanaryJudge(JudgeConfig(canary_rollback_after=1))
     assert judge.judge(STABLE, canary(error_rate=0.5)).decision is Decision.ROLL_BACK
 
 
 def test_the_defaults_are_valid() -> None:
     CONFIG.validate()
-    assert (CONFIG.judge_interval_s, CONFIG.window_s, CONFIG.min_requests, CONFIG.rollback_after) == (30, 300, 50, 2)
+    assert (CONFIG.canary_judge_interval_s, CONFIG.canary_window_s, CONFIG.canary_min_requests,
+            CONFIG.canary_rollback_after) == (30, 300, 50, 2)
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("judge_interval_s", 0.5), ("judge_interval_s", 3601), ("window_s", 5), ("min_requests", 0),
-    ("error_rate_margin", -0.01), ("error_rate_margin", 1.5), ("error_rate_ratio", 0.9), ("ttft_p95_ratio", 101),
-    ("tpot_p95_ratio", 0), ("ttft_p95_margin_ms", -1), ("tpot_p95_margin_ms", 700_000), ("rollback_after", 0),
+    ("canary_judge_interval_s", 0.5), ("canary_judge_interval_s", 3601), ("canary_window_s", 5),
+    ("canary_min_requests", 0), ("canary_error_rate_margin", -0.01), ("canary_error_rate_margin", 1.5),
+    ("canary_error_rate_ratio", 0.9), ("canary_ttft_p95_ratio", 101), ("canary_tpot_p95_ratio", 0),
+    ("canary_ttft_p95_margin_ms", -1), ("canary_tpot_p95_margin_ms", 700_000), ("canary_rollback_after", 0),
 ])
 def test_a_setting_out_of_range_is_named(field: str, value: float) -> None:
-    with pytest.raises(ConfigError, match=f"^{field}: must be"):
+    with pytest.raises(ConfigError, match=f"^{field}: must be .*, got {value}$"):
         dataclasses.replace(CONFIG, **{field: value}).validate()
 
 
@@ -196,7 +199,7 @@ async def test_the_loop_keeps_a_streak_per_canary_and_forgets_canaries_that_left
 async def test_one_rollback_per_route_even_with_two_bad_canaries() -> None:
     worse = canary(error_rate=0.5)
     script = Script([[pair(worse, "m@2"), pair(worse, "m@3"), pair(worse, "x@2", route="x")]])
-    await script.run(JudgeConfig(rollback_after=1))
+    await script.run(JudgeConfig(canary_rollback_after=1))
     assert [route for route, _ in script.rollbacks] == ["m", "x"]
     assert script.verdicts == [("m@2", Decision.ROLL_BACK), ("x@2", Decision.ROLL_BACK)]
 
@@ -212,3 +215,14 @@ def test_the_metrics_count_verdicts_and_rollbacks_by_model() -> None:
     assert value("aiserve_gateway_canary_rollbacks_total", {"model": "m@3"}) is None
     assert value("aiserve_gateway_canary_judgements_total", {"model": "m@2", "decision": "keep"}) == 1
     assert value("aiserve_gateway_canary_judgements_total", {"model": "m@3", "decision": "too_few"}) == 1
+
+
+def test_the_settings_embed_in_the_gateways_under_their_own_names() -> None:
+    """Each name is unique among the gateway's settings, so AISERVE_GATEWAY_CANARY_* reaches it."""
+    @dataclasses.dataclass(frozen=True)
+    class WithJudge(GatewayConfig):
+        canary: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
+
+    config = load_config(WithJudge, "gateway", [], {"AISERVE_GATEWAY_CANARY_WINDOW_S": "120",
+                                                    "AISERVE_GATEWAY_CANARY_ROLLBACK_AFTER": "3"})
+    assert (config.canary.canary_window_s, config.canary.canary_rollback_after) == (120.0, 3)
