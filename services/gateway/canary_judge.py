@@ -174,15 +174,16 @@ ReadFigures = Callable[[], Awaitable[Sequence[Pairing]]]
 Rollback = Callable[[str, str], Awaitable[None]]
 """``rollback(route, reason)``: the route's canaries to weight 0, as the Admin Rollback rpc."""
 OnVerdict = Callable[[str, Verdict], None]
-"""``on_verdict(canary model, verdict)`` after every judgement."""
+"""``on_verdict(canary model, verdict)`` after every judgement that took effect."""
 
 
 async def judge_loop(config: JudgeConfig, read_figures: ReadFigures, rollback: Rollback, on_verdict: OnVerdict,
                      sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
     """Every ``canary_judge_interval_s``: judge every canary ``read_figures`` gives and roll back
-    each route with a ROLL_BACK; ``on_verdict`` hears every verdict that took effect (a ROLL_BACK once
-    its rollback is done). Runs until cancelled. A failing read or rollback is logged and tried
-    again at the next judgement (the streak stays, so a failed rollback is retried then)."""
+    each route with a ROLL_BACK; ``on_verdict`` hears every verdict that took effect (a
+    ROLL_BACK once its rollback is done). Runs until cancelled. A failing read or rollback is
+    logged and tried again at the next judgement (the streak stays, so a failed rollback is
+    retried then)."""
     judges: dict[tuple[str, str], CanaryJudge] = {}
     while True:
         await sleep(config.canary_judge_interval_s)
