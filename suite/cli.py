@@ -3,6 +3,7 @@
     aiserve models pull|list|verify NAME@VERSION|import PATH --name N --version V
     aiserve run [--inference-replicas N]  # the services, supervised, until Ctrl-C / SIGTERM
     aiserve status [--json]          # the fleet as the gateway sees it
+    aiserve rollout list|status|weight N|promote|rollback  # a route's versions and canaries
     aiserve chat "prompt"            # stream an answer from a running suite
     aiserve keys create|list|revoke  # API keys and tenants
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
@@ -25,6 +26,7 @@ from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from suite.admin import add_commands
 from suite.config import REPLICAS_ENV
+from suite.rollout import add_rollout_command
 from suite.runner import Suite, SuiteConfig
 from suite.status import add_status_command
 from suite.supervisor import GaveUp
@@ -163,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub)
     add_status_command(sub)
+    add_rollout_command(sub)
     return parser
 
 
