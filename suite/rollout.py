@@ -32,6 +32,7 @@ from grpc import aio
 from aiserve.common.paths import ADMIN_KEY_FILE, aiserve_home
 from aiserve.v1 import admin_pb2, admin_pb2_grpc
 from services.gateway.admin_key import read_admin_key
+from suite.rollout_start import add_start_command
 from suite.rollout_view import (
     CANARY,
     RETIRING,
@@ -156,6 +157,7 @@ def add_rollout_command(sub: argparse._SubParsersAction) -> None:  # type: ignor
     common.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for each gateway call")
     rollout = sub.add_parser("rollout", help="a route's versions: weights, figures, promote, rollback")
     actions = rollout.add_subparsers(dest="action", required=True)
+    add_start_command(actions, common)
     actions.add_parser("list", parents=[common], help="every route's versions")
     actions.add_parser("status", parents=[common], help="stable and canary side by side, with figures")
     weight = actions.add_parser("weight", parents=[common], help="the canary at N of 100, stable at 100 - N")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -178,17 +177,15 @@ async def _withdraw(admin: admin_pb2_grpc.AdminStub, metadata: tuple[tuple[str, 
     await asyncio.to_thread(stop_version, request.home, request.model)
 
 
-def add_start_command(rollout: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    """Register ``start`` under ``aiserve rollout``."""
-    start = rollout.add_parser("start", help="start NAME@VERSION beside the running version, verify it, "
-                                             "then give it a weight")
+def add_start_command(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:  # type: ignore[type-arg]
+    """Register ``start`` under ``aiserve rollout`` (``common``: --address, --admin-key, --home ...)."""
+    start = actions.add_parser("start", parents=[common], help="start NAME@VERSION beside the running "
+                               "version, verify it, then give it a weight")
     start.add_argument("model", help="name@version, already in the model store")
     start.add_argument("--weight", type=int, default=10, help="its share of the route's traffic, 0-100 (10)")
-    start.add_argument("--address", default=f"127.0.0.1:{os.environ.get('AISERVE_GATEWAY_PORT', '50051')}",
-                       help="the gateway (default 127.0.0.1:$AISERVE_GATEWAY_PORT, else :50051)")
-    start.add_argument("--admin-key", help="the admin key (default: the one in $AISERVE_HOME/admin.key)")
     start.add_argument("--key", help="a tenant's API key for the golden prompts (default: the dev key)")
-    start.add_argument("--timeout", type=float, default=300.0, help="seconds for loading and each step")
+    start.add_argument("--load-timeout", type=float, default=300.0,
+                       help="seconds the version may take to load, and each golden prompt (300)")
     start.set_defaults(func=cmd_rollout_start)
 
 
@@ -198,7 +195,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
     if not 0 <= args.weight <= 100:
         print(f"aiserve: --weight must be 0..100, got {args.weight}", file=sys.stderr)
         return 2
-    home = aiserve_home().resolve()
+    home = (Path(args.home) if args.home else aiserve_home()).resolve()
     admin_key = args.admin_key or read_admin_key(home / ADMIN_KEY_FILE)
     tenant_key = args.key or read_key(home / DEV_KEY_FILE)
     if not admin_key or not tenant_key:
@@ -206,7 +203,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
               f"suite (it writes {home / ADMIN_KEY_FILE} and {home / DEV_KEY_FILE})", file=sys.stderr)
         return 2
     request = StartRequest(args.model, args.weight, args.address, admin_key, tenant_key, home,
-                           model_store_path().resolve(), args.timeout)
+                           model_store_path().resolve(), args.load_timeout)
     try:
         asyncio.run(rollout_start(request, sys.stdout))
     except (RolloutError, ModelStoreError) as exc:
