@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
@@ -65,6 +65,8 @@ class StartRequest:
     store_root: Path
     timeout_s: float = 300.0
     torch_threads: int = 1
+    settings: Mapping[str, str] = field(default_factory=dict)
+    """The version's own settings (``AISERVE_TOKENIZER_*``, ``AISERVE_INFERENCE_*``)."""
 
 
 def weight_files(manifest: Manifest) -> dict[str, str]:
@@ -139,7 +141,7 @@ async def rollout_start(request: StartRequest, out: TextIO) -> None:
         print(f"starting {request.model} beside {stable} ...", file=out, flush=True)
         try:
             addresses = await start_version(request.home, request.store_root, request.model,
-                                            request.timeout_s, request.torch_threads)
+                                            request.timeout_s, request.torch_threads, request.settings)
         except (RuntimeError, TimeoutError) as exc:
             raise RolloutError(f"{request.model} did not start: {exc}") from exc
         try:
@@ -184,6 +186,8 @@ def add_start_command(actions: argparse._SubParsersAction, common: argparse.Argu
     start.add_argument("model", help="name@version, already in the model store")
     start.add_argument("--weight", type=int, default=10, help="its share of the route's traffic, 0-100 (10)")
     start.add_argument("--key", help="a tenant's API key for the golden prompts (default: the dev key)")
+    start.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", dest="settings",
+                       help="a setting of the version's own processes, e.g. AISERVE_INFERENCE_DTYPE=float32")
     start.add_argument("--load-timeout", type=float, default=300.0,
                        help="seconds the version may take to load, and each golden prompt (300)")
     start.set_defaults(func=cmd_rollout_start)
@@ -195,6 +199,11 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
     if not 0 <= args.weight <= 100:
         print(f"aiserve: --weight must be 0..100, got {args.weight}", file=sys.stderr)
         return 2
+    settings = dict(item.partition("=")[::2] for item in args.settings)
+    if bad := [name for name in settings if not name.startswith(("AISERVE_TOKENIZER_", "AISERVE_INFERENCE_"))]:
+        print(f"aiserve: --set takes AISERVE_TOKENIZER_* or AISERVE_INFERENCE_* settings, got {bad[0]!r}",
+              file=sys.stderr)
+        return 2
     home = (Path(args.home) if args.home else aiserve_home()).resolve()
     admin_key = args.admin_key or read_admin_key(home / ADMIN_KEY_FILE)
     tenant_key = args.key or read_key(home / DEV_KEY_FILE)
@@ -203,7 +212,7 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
               f"suite (it writes {home / ADMIN_KEY_FILE} and {home / DEV_KEY_FILE})", file=sys.stderr)
         return 2
     request = StartRequest(args.model, args.weight, args.address, admin_key, tenant_key, home,
-                           model_store_path().resolve(), args.load_timeout)
+                           model_store_path().resolve(), args.load_timeout, settings=settings)
     try:
         asyncio.run(rollout_start(request, sys.stdout))
     except (RolloutError, ModelStoreError) as exc:

@@ -60,9 +60,11 @@ def _write_versions(home: Path, versions: Mapping[str, list[VersionProcess]]) ->
 
 
 def version_env(base: Mapping[str, str], home: Path, store_root: Path, service: str, model: str,
-                torch_threads: int) -> dict[str, str]:
+                torch_threads: int, settings: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a version's ``service`` process: ``model`` from ``store_root``, a port
-    of its own choosing, no metrics port (the running suite's are taken)."""
+    of its own choosing, no metrics port (the running suite's are taken). The service's own
+    settings in ``base`` are the running version's and are left out; ``settings`` (the
+    version's own, ``AISERVE_<SERVICE>_*``) win over everything."""
     prefix = f"AISERVE_{service.upper()}_"
     env = {key: value for key, value in base.items() if not key.startswith(prefix)}
     env.update({HOME_ENV: str(home), MODEL_STORE_ENV: str(store_root), "PYTHONUNBUFFERED": "1",
@@ -72,6 +74,7 @@ def version_env(base: Mapping[str, str], home: Path, store_root: Path, service: 
         env[prefix + "TORCH_THREADS"] = str(torch_threads)
     else:
         env["OMP_NUM_THREADS"] = "1"
+    env.update({key: value for key, value in (settings or {}).items() if key.startswith(prefix)})
     return env
 
 
@@ -86,7 +89,7 @@ class _Child:
 
 
 async def start_version(home: Path, store_root: Path, model: str, timeout_s: float,
-                        torch_threads: int = 1) -> dict[str, str]:
+                        torch_threads: int = 1, settings: Mapping[str, str] | None = None) -> dict[str, str]:
     """Start ``model``'s tokenizer and inference, wait until both are SERVING, record them;
     return their addresses by service. On any failure the started processes are killed and
     the error names the one that failed, with the end of its log."""
@@ -97,7 +100,7 @@ async def start_version(home: Path, store_root: Path, model: str, timeout_s: flo
         for service in SERVICES:
             log_path = logs / f"{service}@{model}.log"
             with log_path.open("ab") as log:  # the child keeps its own descriptor
-                env = version_env(os.environ, home, store_root, service, model, torch_threads)
+                env = version_env(os.environ, home, store_root, service, model, torch_threads, settings)
                 process, announce_fd = spawn_service(service, env, log)
             children.append(_Child(service, process, announce_fd, log_path))
         addresses = {child.service: await _bound(child, model, timeout_s) for child in children}

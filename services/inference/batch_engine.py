@@ -267,6 +267,8 @@ class BatchEngine:
             sampling = {c.seq: self._records[c.seq].sampling for c in output.chunks if c.is_sampled}
             for seq in output.finished:
                 self._finish_early(seq)
+        if self.config.step_delay_ms:  # a test setting: a slower version on purpose
+            time.sleep(self.config.step_delay_ms / 1000)
         started = time.perf_counter()
         try:
             sampled = self.runner.execute(output, sampling)

@@ -90,6 +90,9 @@ class EngineConfig:
 
     max_new_tokens_limit: int = 4096
     """Largest max_new_tokens one request may ask for (max_seq_len also bounds it). 1..1000000."""
+    step_delay_ms: int = 0
+    """A TEST setting: every engine step waits this long before its forward, so a version can
+    be made slower on purpose (the canary judgement's tests and drills); 0 = off. 0..10000."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
@@ -97,5 +100,6 @@ class EngineConfig:
         """Raise ConfigError naming the first setting out of range and its limit."""
         require(1 <= self.max_new_tokens_limit <= 1_000_000,
                 f"max_new_tokens_limit: must be 1..1000000, got {self.max_new_tokens_limit}")
+        require(0 <= self.step_delay_ms <= 10_000, f"step_delay_ms: must be 0..10000, got {self.step_delay_ms}")
         self.scheduler.validate()
         self.kv_cache.validate()

@@ -20,7 +20,7 @@ BAD_VALUES: dict[str, object] = {
     # the KV cache
     "kv_cache_bytes": 1 << 19, "max_seq_len": 15, "prefix_cache_fraction": 0.95, "prefix_block_size": 0,
     # the engine's limit
-    "max_new_tokens_limit": 0,
+    "max_new_tokens_limit": 0, "step_delay_ms": 10_001,
     # health
     "health_probe_interval_s": 0.0, "health_probe_timeout_s": 601.0, "min_free_memory_bytes": -1,
 }

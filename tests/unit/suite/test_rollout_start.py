@@ -84,3 +84,11 @@ def test_stopping_the_recorded_versions_ends_their_processes(tmp_path: Path) -> 
         for child in children:
             child.kill()
             child.wait()
+
+
+def test_a_versions_own_settings_win(tmp_path: Path) -> None:
+    base = {"AISERVE_INFERENCE_DTYPE": "float32"}
+    env = version_env(base, tmp_path, tmp_path, "inference", "m@2", torch_threads=1,
+                      settings={"AISERVE_INFERENCE_STEP_DELAY_MS": "50", "AISERVE_TOKENIZER_X": "1"})
+    assert env["AISERVE_INFERENCE_STEP_DELAY_MS"] == "50"
+    assert "AISERVE_INFERENCE_DTYPE" not in env and "AISERVE_TOKENIZER_X" not in env  # each its own service's
