@@ -18,16 +18,24 @@ from services.gateway.domain import (
     GenerationEvent,
     GenerationRequest,
     RenderedPrompt,
+    RequestOutcome,
     RouteInfo,
+    VersionFigures,
 )
 
 
 class Router(Protocol):
-    """The checked route to a model: a tokenizer and an inference service that agree."""
+    """The checked route to a model version: a tokenizer and an inference service that agree."""
 
-    async def route(self, model: str) -> RouteInfo:
-        """The route for ``model`` ("" = the default); NOT_FOUND / FAILED_PRECONDITION /
-        UNAVAILABLE when it cannot be served."""
+    async def route(self, model: str, tenant: str = "", session: str = "") -> RouteInfo:
+        """The version for ``model`` ("" = the default route, "name" = by its weights, sticky by
+        ``tenant`` or ``session`` as configured, "name@version" = that one), checked; NOT_FOUND /
+        FAILED_PRECONDITION / UNAVAILABLE when it cannot be served. The request holds the version
+        (``RouteInfo.model``) until ``release``."""
+        ...
+
+    def release(self, model: str) -> None:
+        """The request routed to ``model`` finished (always called once after ``route``)."""
         ...
 
     def forget_route(self) -> None:
@@ -38,12 +46,12 @@ class Router(Protocol):
 class PromptTokenizer(Protocol):
     """Turns a request's input into the model's token ids."""
 
-    async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
-        """A chat rendered with the model's template and the generation prompt."""
+    async def apply_chat_template(self, messages: Sequence[tuple[str, str]], model: str) -> RenderedPrompt:
+        """A chat rendered with ``model``'s template and the generation prompt."""
         ...
 
-    async def tokenize(self, text: str) -> tuple[int, ...]:
-        """A raw prompt's ids (with the model's special tokens)."""
+    async def tokenize(self, text: str, model: str) -> tuple[int, ...]:
+        """A raw prompt's ids (with ``model``'s special tokens)."""
         ...
 
     async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
@@ -95,7 +103,8 @@ class DetokenizerStream(Protocol):
 class Detokenizer(Protocol):
     """Opens a detokenizer stream per generation."""
 
-    def open(self, request_id: str, skip_special_tokens: bool) -> DetokenizerStream:
+    def open(self, request_id: str, skip_special_tokens: bool, model: str) -> DetokenizerStream:
+        """A stream on the tokenizer of ``model`` (the version the request was routed to)."""
         ...
 
     async def close(self) -> None:
@@ -131,6 +140,29 @@ class AnswerCache(Protocol):
     async def report_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
         """How an answer the cache served was rated (best effort)."""
         ...
+
+
+class RequestObserver(Protocol):
+    """Sees every finished request (``observe``) and answers for each version what it saw
+    (``figures``): the hook a judge of canaries plugs in (Admin's ``VersionFigures``)."""
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """One request ended (a Final, or a server-side or client error); never blocks."""
+        ...
+
+    def figures(self, model: str) -> VersionFigures:
+        """``model``'s (name@version) requests over the observer's window."""
+        ...
+
+
+class NoObserver:
+    """The default ``RequestObserver``: keeps nothing, every version's figures are zeros."""
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """Nothing is kept."""
+
+    def figures(self, model: str) -> VersionFigures:
+        return VersionFigures()
 
 
 @dataclass(frozen=True, slots=True)
