@@ -22,7 +22,7 @@ from services.gateway.admin import add_admin
 from services.gateway.backends import Backends
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Chunk, Final
-from services.gateway.interfaces import NoObserver
+from services.gateway.interfaces import NoObserver, RequestObserver
 from services.gateway.messages import (
     chunk_to_pb,
     complete_to_pb,
@@ -137,8 +137,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return count_to_pb(count, current_request_id())
 
 
-async def create_server(config: GatewayConfig) -> ServiceHandle:
-    """The gateway server, bound (``config.port`` 0 = a free port) but not started."""
+async def create_server(config: GatewayConfig, observer: RequestObserver | None = None) -> ServiceHandle:
+    """The gateway server, bound (``config.port`` 0 = a free port) but not started; ``observer``
+    sees every finished request and gives Admin the versions' figures (None: zeros)."""
     handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
                         config.host, config.port)
@@ -146,7 +147,7 @@ async def create_server(config: GatewayConfig) -> ServiceHandle:
     backends = Backends(config, metrics.set_cache_available, RouteStore(config.routes_file()))
     handle.health_loop = lambda: backends.health_loop(handle.set_serving)  # SERVING while the backends are
     accounting = Accounting.open(config)
-    observer = NoObserver()  # the hook of a judge of versions (interfaces.RequestObserver)
+    observer = observer if observer is not None else NoObserver()
     pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer)
     servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)

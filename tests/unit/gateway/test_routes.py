@@ -23,6 +23,7 @@ from services.gateway.route_store import RouteStore
 from services.gateway.route_table import Role
 from services.gateway.routing import Routes
 from services.gateway.server import GatewayServicer, create_server
+from tests.unit.gateway.pipeline_fakes import FakeObserver
 from tests.unit.gateway.server_fakes import MODEL, FakeInference, FakeTokenizer, Seen, fake_server
 from tests.unit.gateway.test_fleet import HANG, TIMEOUT_S, gateway_config, request
 from tests.unit.gateway.test_server import tenant_keys
@@ -63,7 +64,7 @@ class Versions:
             await pool.wait_for(lambda p=pool: bool(p.replicas.usable()), TIMEOUT_S)  # type: ignore[misc]
 
 
-async def start(tmp_path: Path, stickiness: str = "tenant") -> Versions:
+async def start(tmp_path: Path, stickiness: str = "tenant", observer: FakeObserver | None = None) -> Versions:
     seen = {MODEL: Seen(), CANARY: Seen()}
     backends = [fake_server("tokenizer", FakeTokenizer(MODEL)), fake_server("inference", FakeInference(seen[MODEL])),
                 fake_server("tokenizer", FakeTokenizer(CANARY)),
@@ -71,7 +72,7 @@ async def start(tmp_path: Path, stickiness: str = "tenant") -> Versions:
     config = dataclasses.replace(gateway_config(tmp_path, backends[0], [backends[1]]), route_stickiness=stickiness,
                                  prices=(f"{MODEL}=10/20/1000", f"{CANARY}=10/20/1000"))
     keys = tenant_keys(tmp_path / "keys.sqlite3")
-    gateway = await create_server(config)
+    gateway = await create_server(config, observer)
     for handle in (*backends, gateway):
         await handle.start()
         await handle.begin_serving()
@@ -198,6 +199,22 @@ async def test_a_dropped_version_finishes_its_streams_there_then_closes(versions
 
 
 # --- the Admin rpcs ---------------------------------------------------------------------------
+
+async def test_the_observer_sees_each_finished_request_and_gives_the_figures(tmp_path: Path) -> None:
+    observer = FakeObserver()
+    versions = await start(tmp_path, observer=observer)
+    try:
+        await add_canary(versions)
+        for model in (CANARY, CANARY, MODEL):
+            await complete(versions, model)
+        assert [(o.model, o.is_error, o.cache_hit) for o in observer.outcomes] == [
+            (CANARY, False, False), (CANARY, False, False), (MODEL, False, False)]
+        listed = await admin(versions, "ListRoutes", admin_pb2.ListRoutesRequest())
+        assert isinstance(listed, admin_pb2.RouteList)
+        assert [(v.model, v.figures.requests) for v in listed.routes[0].versions] == [(MODEL, 1), (CANARY, 2)]
+    finally:
+        await stop(versions)
+
 
 async def test_list_add_and_set_weights_with_their_refusals(versions: Versions) -> None:
     listed = await admin(versions, "ListRoutes", admin_pb2.ListRoutesRequest())
