@@ -25,17 +25,22 @@ from services.gateway.domain import (
 
 
 class Router(Protocol):
-    """The checked route to a model version: a tokenizer and an inference service that agree."""
+    """The model versions and their checked routes: a tokenizer and an inference service that
+    agree."""
 
-    async def route(self, model: str, tenant: str = "", session: str = "") -> RouteInfo:
-        """The version for ``model`` ("" = the default route, "name" = by its weights, sticky by
-        ``tenant`` or ``session`` as configured, "name@version" = that one), checked; NOT_FOUND /
-        FAILED_PRECONDITION / UNAVAILABLE when it cannot be served. The request holds the version
-        (``RouteInfo.model``) until ``release``."""
+    def pick(self, model: str, tenant: str = "", session: str = "") -> str:
+        """The name@version that serves a request for ``model`` ("" = the default route, "name"
+        = by its weights, sticky by ``tenant`` or ``session`` as configured, "name@version" =
+        that one); NOT_FOUND when none does. The request holds it until ``release``."""
+        ...
+
+    async def route(self, model: str) -> RouteInfo:
+        """The checked route of the version ``model`` (name@version) that ``pick`` gave;
+        FAILED_PRECONDITION / UNAVAILABLE when it cannot serve."""
         ...
 
     def release(self, model: str) -> None:
-        """The request routed to ``model`` finished (always called once after ``route``)."""
+        """The request that picked ``model`` finished (always called once after ``pick``)."""
         ...
 
     def forget_route(self) -> None:

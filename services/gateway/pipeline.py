@@ -66,8 +66,9 @@ class Pipeline:
         """
         started = time.perf_counter()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.downstream_timeout_s)
-        route = await self.backends.router.route(req.model, req.tenant, req.session)
+        version = self.backends.router.pick(req.model, req.tenant, req.session)
         try:  # the whole request runs on the version it was routed to
+            route = await self.backends.router.route(version)
             async with aclosing(self._generate_on(route, req, started, deadline, admit)) as items:
                 async for item in items:
                     if isinstance(item, Final):
@@ -75,10 +76,10 @@ class Pipeline:
                     yield item
         except Exception as exc:
             if not isinstance(exc, ApiError) or exc.kind in _VERSION_ERRORS:
-                self.observer.observe(RequestOutcome(route.model, 0, 0.0, True, False, 0))
+                self.observer.observe(RequestOutcome(version, 0, 0.0, True, False, 0))
             raise
         finally:
-            self.backends.router.release(route.model)
+            self.backends.router.release(version)
 
     async def _generate_on(self, route: RouteInfo, req: GatewayRequest, started: float, deadline: float,
                            admit: Admit | None) -> AsyncGenerator[Chunk | Final, None]:
@@ -105,11 +106,12 @@ class Pipeline:
 
     async def count_tokens(self, request: TokenCountRequest) -> TokenCount:
         """Tokens of the request's input as a generation would render it, on the checked route."""
-        route = await self.backends.router.route(request.model)
+        version = self.backends.router.pick(request.model)
         try:
+            route = await self.backends.router.route(version)
             count = await self.backends.tokenizer.count_tokens(request.prompt, request.messages, route.model)
         finally:
-            self.backends.router.release(route.model)
+            self.backends.router.release(version)
         return TokenCount(count, route.context_length, route.model)
 
     async def report_cache_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:

@@ -2,9 +2,9 @@
 version's replicas (``version_backends.py``), the routes file (``route_store.py``) and the
 retirement of former stable versions.
 
-The ``Router`` of ``services/gateway/interfaces.py``: ``route`` picks the version of a request
-and checks its pairing; the request then runs on that version's backends (``routed.py`` looks
-them up by the exact name@version) and ``release`` ends its hold. A version dropped from its
+The ``Router`` of ``services/gateway/interfaces.py``: ``pick`` chooses the version of a request,
+``route`` checks its pairing; the request then runs on that version's backends (``routed.py``
+looks them up by the exact name@version) and ``release`` ends its hold. A version dropped from its
 route takes no new request, and its replicas are closed once its last request released it, so
 streams in flight finish where they started.
 """
@@ -60,17 +60,16 @@ class Routes:
 
     # --- requests ----------------------------------------------------------------------------
 
-    async def route(self, model: str, tenant: str = "", session: str = "") -> RouteInfo:
+    def pick(self, model: str, tenant: str = "", session: str = "") -> str:
         """The version for a request naming ``model`` ("" = the default route, "name" = by the
-        weights, "name@version" = that one), its pairing checked; hold it until ``release``."""
+        weights, "name@version" = that one); the request holds it until ``release``."""
         version = self.table.pick(model, self._sticky_key(tenant, session), self._is_serving)
-        backends = self.versions[version.model]
-        backends.in_flight += 1
-        try:
-            return await backends.router.route(version.model)
-        except BaseException:
-            self.release(version.model)
-            raise
+        self.versions[version.model].in_flight += 1
+        return version.model
+
+    async def route(self, model: str) -> RouteInfo:
+        """The checked route of the version ``model`` (the pairing of one of its replicas)."""
+        return await self.backends_of(model).router.route(model)
 
     def release(self, model: str) -> None:
         """A request routed to ``model`` finished (its version may close now if dropped)."""

@@ -31,14 +31,21 @@ class FakeRouter:
     context_length: int = 64
     forgotten: int = 0
     routed: list[tuple[str, str, str]] = field(default_factory=list)
-    """(model, tenant, session) of each route call."""
+    """(model, tenant, session) of each pick."""
     released: list[str] = field(default_factory=list)
     version: str = ""
     """The name@version every request is routed to ("" = the model asked for, or MODEL)."""
+    refusal: Exception | None = None
+    """Raised by ``route`` (the version's pairing check failed)."""
 
-    async def route(self, model: str, tenant: str = "", session: str = "") -> RouteInfo:
+    def pick(self, model: str, tenant: str = "", session: str = "") -> str:
         self.routed.append((model, tenant, session))
-        return RouteInfo(self.version or model or MODEL, self.context_length)
+        return self.version or model or MODEL
+
+    async def route(self, model: str) -> RouteInfo:
+        if self.refusal is not None:
+            raise self.refusal
+        return RouteInfo(model, self.context_length)
 
     def release(self, model: str) -> None:
         self.released.append(model)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from aiserve.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from aiserve.common.finish import FinishReason
 from services.gateway.domain import (
     CachedAnswer,
@@ -234,8 +234,12 @@ async def test_a_failed_or_refused_request_releases_its_version_and_only_server_
 
     with pytest.raises(ResourceExhausted):
         await run(fakes.pipeline(), request(), admit=refuse)
-    assert fakes.router.released == [MODEL, MODEL]
-    assert [(o.model, o.is_error) for o in fakes.observer.outcomes] == [(MODEL, True)]  # the limit is the client's
+    fakes.router.version, fakes.router.refusal = "m@2", FailedPrecondition("tokenizer mismatch")
+    with pytest.raises(FailedPrecondition):
+        await run(fakes.pipeline(), request())  # its pairing check failed: the version's fault
+    assert fakes.router.released == [MODEL, MODEL, "m@2"]
+    assert [(o.model, o.is_error) for o in fakes.observer.outcomes] == [(MODEL, True), ("m@2", True)]
+    # (the limit was the client's: not observed)
 
 
 async def test_a_caller_leaving_early_releases_its_version_and_is_not_observed() -> None:
