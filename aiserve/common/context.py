@@ -13,6 +13,9 @@ from contextvars import ContextVar
 REQUEST_ID_KEY = "x-request-id"
 AUTHORIZATION_KEY = "authorization"
 TRACEPARENT_KEY = "traceparent"
+SESSION_KEY = "x-aiserve-session"
+"""A client's conversation id: with route_stickiness "session" it keeps the conversation on one
+model version."""
 MAX_REQUEST_ID_CHARS = 128
 _REQUEST_ID_RE = re.compile(rf"^[\x21-\x7e]{{1,{MAX_REQUEST_ID_CHARS}}}$")
 

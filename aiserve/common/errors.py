@@ -19,6 +19,7 @@ class ErrorKind(enum.Enum):
 
     INVALID_ARGUMENT = enum.auto()
     NOT_FOUND = enum.auto()
+    ALREADY_EXISTS = enum.auto()
     FAILED_PRECONDITION = enum.auto()
     RESOURCE_EXHAUSTED = enum.auto()
     DEADLINE_EXCEEDED = enum.auto()
@@ -56,6 +57,12 @@ class InvalidArgument(ApiError):
 
 class NotFound(ApiError):
     kind = ErrorKind.NOT_FOUND
+
+
+class AlreadyExists(ApiError):
+    """What the caller asked to create is there already (a version already on its route)."""
+
+    kind = ErrorKind.ALREADY_EXISTS
 
 
 class FailedPrecondition(ApiError):
@@ -111,8 +118,8 @@ class Internal(ApiError):
 
 
 _BY_KIND: dict[ErrorKind, type[ApiError]] = {
-    cls.kind: cls for cls in (InvalidArgument, NotFound, FailedPrecondition, ResourceExhausted, DeadlineExceeded,
-                              Unavailable, Unauthenticated, PermissionDenied, Cancelled, Internal)
+    cls.kind: cls for cls in (InvalidArgument, NotFound, AlreadyExists, FailedPrecondition, ResourceExhausted,
+                              DeadlineExceeded, Unavailable, Unauthenticated, PermissionDenied, Cancelled, Internal)
 }
 
 

@@ -1,5 +1,5 @@
-"""The Admin service on the gateway's port: the fleet as the gateway sees it
-(protos/aiserve/v1/admin.proto).
+"""The Admin service on the gateway's port: the fleet as the gateway sees it, and its model
+routes (protos/aiserve/v1/admin.proto).
 
 The edge. Every call needs the admin key (``admin_key.py``), read from its file when the call
 comes, so a key written after the gateway started works. A tenant's API key is known but not
@@ -21,9 +21,12 @@ from aiserve.common.server import ServiceHandle
 from aiserve.v1 import admin_pb2, admin_pb2_grpc, status_pb2
 from services.gateway.accounting import Accounting
 from services.gateway.admin_key import matches, read_admin_key
+from services.gateway.admin_routes import route_to_pb
 from services.gateway.backends import Backends
+from services.gateway.interfaces import NoObserver, RequestObserver
 from services.gateway.replica import Replica
 from services.gateway.replicas import State
+from services.gateway.route_table import Route
 
 STATUS_TIMEOUT_S = 1.0
 """Deadline of each replica's Status call in GetFleetStatus (they are asked in parallel)."""
@@ -66,21 +69,69 @@ async def replica_status(route: str, replica: Replica[Any]) -> status_pb2.Servic
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    """GetFleetStatus: the gateway's own status and every backend replica's."""
+    """GetFleetStatus: the gateway's own status and every backend replica's; the routes rpcs:
+    each change stored, then served (``routing.py``), answered with the route after it."""
 
-    def __init__(self, key_file: Path, handle: ServiceHandle, backends: Backends, accounting: Accounting) -> None:
+    def __init__(self, key_file: Path, handle: ServiceHandle, backends: Backends, accounting: Accounting,
+                 observer: RequestObserver) -> None:
         self._key_file, self._handle = key_file, handle
-        self._backends, self._accounting = backends, accounting
+        self._backends, self._accounting, self._observer = backends, accounting, observer
+        self._routes = backends.routes
+
+    def _authorize(self, context: aio.ServicerContext) -> None:
+        authorization = next((str(v) for k, v in context.invocation_metadata() or () if k == AUTHORIZATION_KEY), "")
+        authorize(authorization, self._key_file, self._accounting)
+
+    def _route(self, route: Route) -> admin_pb2.Route:
+        return route_to_pb(route, self._routes, self._observer)
 
     async def GetFleetStatus(  # noqa: N802 - gRPC method name
         self, request: admin_pb2.FleetStatusRequest, context: aio.ServicerContext
     ) -> admin_pb2.FleetStatus:
-        authorization = next((str(v) for k, v in context.invocation_metadata() or () if k == AUTHORIZATION_KEY), "")
-        authorize(authorization, self._key_file, self._accounting)
+        self._authorize(context)
         backends = await asyncio.gather(*(replica_status(route, r) for route, r in self._backends.replicas()))
         return admin_pb2.FleetStatus(gateway=self._handle.status(), backends=backends)
 
+    async def ListRoutes(  # noqa: N802
+        self, request: admin_pb2.ListRoutesRequest, context: aio.ServicerContext
+    ) -> admin_pb2.RouteList:
+        self._authorize(context)
+        return admin_pb2.RouteList(routes=[self._route(r) for r in self._routes.table.routes.values()])
 
-def add_admin(handle: ServiceHandle, key_file: Path, backends: Backends, accounting: Accounting) -> None:
-    """Serve Admin on the gateway's server (``handle``)."""
-    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(key_file, handle, backends, accounting), handle.server)
+    async def AddVersion(  # noqa: N802
+        self, request: admin_pb2.AddVersionRequest, context: aio.ServicerContext
+    ) -> admin_pb2.Route:
+        self._authorize(context)
+        return self._route(self._routes.add_version(request.model, request.tokenizer_target,
+                                                    request.inference_target, request.weight))
+
+    async def SetWeights(  # noqa: N802
+        self, request: admin_pb2.SetWeightsRequest, context: aio.ServicerContext
+    ) -> admin_pb2.Route:
+        self._authorize(context)
+        return self._route(self._routes.set_weights(request.name, dict(request.weights)))
+
+    async def Promote(  # noqa: N802
+        self, request: admin_pb2.PromoteRequest, context: aio.ServicerContext
+    ) -> admin_pb2.Route:
+        self._authorize(context)
+        return self._route(self._routes.promote(request.model, request.retire_after_s))
+
+    async def Rollback(  # noqa: N802
+        self, request: admin_pb2.RollbackRequest, context: aio.ServicerContext
+    ) -> admin_pb2.Route:
+        self._authorize(context)
+        return self._route(self._routes.rollback(request.name, request.reason))
+
+    async def RemoveVersion(  # noqa: N802
+        self, request: admin_pb2.RemoveVersionRequest, context: aio.ServicerContext
+    ) -> admin_pb2.Route:
+        self._authorize(context)
+        return self._route(self._routes.remove_version(request.model))
+
+
+def add_admin(handle: ServiceHandle, key_file: Path, backends: Backends, accounting: Accounting,
+              observer: RequestObserver | None = None) -> None:
+    """Serve Admin on the gateway's server (``handle``); ``observer`` gives the versions' figures."""
+    servicer = AdminServicer(key_file, handle, backends, accounting, observer or NoObserver())
+    admin_pb2_grpc.add_AdminServicer_to_server(servicer, handle.server)

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiserve.common.config import ServiceConfig, require
-from aiserve.common.paths import ADMIN_KEY_FILE, KEYS_FILE, LEDGER_FILE, home_file
+from aiserve.common.paths import ADMIN_KEY_FILE, KEYS_FILE, LEDGER_FILE, ROUTES_FILE, home_file
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 from services.gateway.pricing import Price, PriceTable, parse_prices
 from services.gateway.targets import parse_target
+
+STICKINESS = ("none", "tenant", "session")
+"""The values of route_stickiness."""
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,19 @@ class GatewayConfig(ServiceConfig):
     """File of the admin key that the Admin service requires; "" = $AISERVE_HOME/admin.key.
     Read at each Admin call, so a key written after the start works."""
     default_model: str = DEFAULT_MODEL_REF
-    """name@version served when a request leaves `model` empty (the only route for now)."""
+    """name@version of the first route's stable version, served with tokenizer_address and
+    inference_address while routes_path holds no routes; its name is the default route (a
+    request that leaves `model` empty goes there)."""
+    routes_path: str = ""
+    """SQLite file of the model routes and their versions, weights and roles (the Admin service
+    changes them; read at start); "" = $AISERVE_HOME/routes.sqlite3."""
+    route_stickiness: str = "tenant"
+    """How a route keeps requests on one version while weights split the traffic: "none" (each
+    request by the weights), "tenant" (all of a tenant's requests on one version) or "session"
+    (the x-aiserve-session metadata value; requests without one by the weights)."""
+    retire_after_s: float = 300.0
+    """Seconds a former stable version stays loaded after a promote (a rollback is instant
+    meanwhile), when the Promote call does not say."""
     default_max_new_tokens: int = 256
     """max_new_tokens when neither the request nor its preset sets it."""
     max_new_tokens_limit: int = 2048
@@ -112,6 +127,7 @@ class GatewayConfig(ServiceConfig):
         self._validate_prices()
         self._validate_tiers()
         self._validate_feedback()
+        self._validate_routes()
 
     def _validate_addresses(self) -> None:
         for name in ("tokenizer_address", "inference_address"):
@@ -167,6 +183,12 @@ class GatewayConfig(ServiceConfig):
         require(0 <= self.max_feedback_comment_chars <= 100_000,
                 f"max_feedback_comment_chars: must be 0..100000, got {self.max_feedback_comment_chars}")
 
+    def _validate_routes(self) -> None:
+        require(self.route_stickiness in STICKINESS,
+                f"route_stickiness: must be one of {', '.join(STICKINESS)}, got {self.route_stickiness!r}")
+        require(0 <= self.retire_after_s <= 7 * 86_400,
+                f"retire_after_s: must be in [0, 604800], got {self.retire_after_s}")
+
     def price_table(self) -> PriceTable:
         """The prices of `prices`, with the default prices for models missing from it."""
         default = Price(self.prompt_price_micros_per_token, self.completion_price_micros_per_token,
@@ -180,6 +202,10 @@ class GatewayConfig(ServiceConfig):
     def admin_key_file(self) -> Path:
         """The admin key's file this config names ("" = under $AISERVE_HOME)."""
         return home_file(self.admin_key_path, ADMIN_KEY_FILE)
+
+    def routes_file(self) -> Path:
+        """The model routes database this config names ("" = under $AISERVE_HOME)."""
+        return home_file(self.routes_path, ROUTES_FILE)
 
     def ledger_file(self) -> Path:
         """The usage ledger database this config names ("" = under $AISERVE_HOME)."""

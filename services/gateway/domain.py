@@ -32,6 +32,8 @@ class GatewayRequest:
     """Scheduling priority of the tenant's tier; higher is admitted to the batch first."""
     cache_min_similarity: float | None = None
     """A stricter similarity threshold for a cache hit by meaning (None = the cache's default)."""
+    session: str = ""
+    """The x-aiserve-session metadata value ("" = none): the sticky key when routes stick by session."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +87,38 @@ class TokenCount:
     token_count: int
     context_length: int
     model: str
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutcome:
+    """How one request ended, as a ``RequestObserver`` sees it (for its version's figures)."""
+
+    model: str
+    """name@version that answered (or was routed to, when it failed)."""
+    ttft_ms: int
+    tpot_ms: float
+    """Time per output token after the first (0 with fewer than two tokens)."""
+    is_error: bool
+    """A server-side error (UNAVAILABLE, INTERNAL, a backend's deadline, a failed pairing);
+    a client's own errors (invalid input, limits, cancelling) are not observed at all."""
+    cache_hit: bool
+    cost_micros: int
+
+
+@dataclass(frozen=True, slots=True)
+class VersionFigures:
+    """One version's requests over a window (zeros: nothing observed)."""
+
+    window_s: float = 0.0
+    requests: int = 0
+    error_rate: float = 0.0
+    ttft_p50_ms: float = 0.0
+    ttft_p95_ms: float = 0.0
+    tpot_p50_ms: float = 0.0
+    tpot_p95_ms: float = 0.0
+    cache_hit_rate: float = 0.0
+    mean_cost_micros: float = 0.0
+    negative_feedback_rate: float = 0.0
 
 
 # --- the backends' side -----------------------------------------------------------------------

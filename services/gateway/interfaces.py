@@ -18,16 +18,29 @@ from services.gateway.domain import (
     GenerationEvent,
     GenerationRequest,
     RenderedPrompt,
+    RequestOutcome,
     RouteInfo,
+    VersionFigures,
 )
 
 
 class Router(Protocol):
-    """The checked route to a model: a tokenizer and an inference service that agree."""
+    """The model versions and their checked routes: a tokenizer and an inference service that
+    agree."""
+
+    def pick(self, model: str, tenant: str = "", session: str = "") -> str:
+        """The name@version that serves a request for ``model`` ("" = the default route, "name"
+        = by its weights, sticky by ``tenant`` or ``session`` as configured, "name@version" =
+        that one); NOT_FOUND when none does. The request holds it until ``release``."""
+        ...
 
     async def route(self, model: str) -> RouteInfo:
-        """The route for ``model`` ("" = the default); NOT_FOUND / FAILED_PRECONDITION /
-        UNAVAILABLE when it cannot be served."""
+        """The checked route of the version ``model`` (name@version) that ``pick`` gave;
+        FAILED_PRECONDITION / UNAVAILABLE when it cannot serve."""
+        ...
+
+    def release(self, model: str) -> None:
+        """The request that picked ``model`` finished (always called once after ``pick``)."""
         ...
 
     def forget_route(self) -> None:
@@ -38,12 +51,12 @@ class Router(Protocol):
 class PromptTokenizer(Protocol):
     """Turns a request's input into the model's token ids."""
 
-    async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
-        """A chat rendered with the model's template and the generation prompt."""
+    async def apply_chat_template(self, messages: Sequence[tuple[str, str]], model: str) -> RenderedPrompt:
+        """A chat rendered with ``model``'s template and the generation prompt."""
         ...
 
-    async def tokenize(self, text: str) -> tuple[int, ...]:
-        """A raw prompt's ids (with the model's special tokens)."""
+    async def tokenize(self, text: str, model: str) -> tuple[int, ...]:
+        """A raw prompt's ids (with ``model``'s special tokens)."""
         ...
 
     async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
@@ -95,7 +108,8 @@ class DetokenizerStream(Protocol):
 class Detokenizer(Protocol):
     """Opens a detokenizer stream per generation."""
 
-    def open(self, request_id: str, skip_special_tokens: bool) -> DetokenizerStream:
+    def open(self, request_id: str, skip_special_tokens: bool, model: str) -> DetokenizerStream:
+        """A stream on the tokenizer of ``model`` (the version the request was routed to)."""
         ...
 
     async def close(self) -> None:
@@ -131,6 +145,29 @@ class AnswerCache(Protocol):
     async def report_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
         """How an answer the cache served was rated (best effort)."""
         ...
+
+
+class RequestObserver(Protocol):
+    """Sees every finished request (``observe``) and answers for each version what it saw
+    (``figures``): the hook a judge of canaries plugs in (Admin's ``VersionFigures``)."""
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """One request ended (a Final, or a server-side or client error); never blocks."""
+        ...
+
+    def figures(self, model: str) -> VersionFigures:
+        """``model``'s (name@version) requests over the observer's window."""
+        ...
+
+
+class NoObserver:
+    """The default ``RequestObserver``: keeps nothing, every version's figures are zeros."""
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        """Nothing is kept."""
+
+    def figures(self, model: str) -> VersionFigures:
+        return VersionFigures()
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,9 @@ class GatewayMetrics:
     """Finished generations, tokens billed and cost billed; whether the cache is in use."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.requests = Counter("aiserve_gateway_requests_total", "Finished generations",
-                                ["finish_reason", "cache_hit"], registry=registry)
+        self.requests = Counter("aiserve_gateway_requests_total",
+                                "Finished generations, by the name@version that answered",
+                                ["model", "finish_reason", "cache_hit"], registry=registry)
         self.tokens = Counter("aiserve_gateway_tokens_total", "Tokens billed", ["kind"], registry=registry)
         self.cost = Counter("aiserve_gateway_cost_micros_total", "Cost billed, in millionths of the currency",
                             ["tier"], registry=registry)
@@ -26,7 +27,7 @@ class GatewayMetrics:
 
     def record(self, final: Final, tier: str) -> None:
         """Count one finished generation of a tenant of ``tier``."""
-        self.requests.labels(final.finish_reason, str(final.usage.cache_hit).lower()).inc()
+        self.requests.labels(final.usage.model, final.finish_reason, str(final.usage.cache_hit).lower()).inc()
         self.tokens.labels("prompt").inc(final.usage.prompt_tokens)
         self.tokens.labels("completion").inc(final.usage.completion_tokens)
         self.cost.labels(tier).inc(final.usage.cost_micros)

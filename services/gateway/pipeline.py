@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncGenerator, Callable, Iterator
 from contextlib import aclosing
 
-from aiserve.common.errors import Unavailable
+from aiserve.common.errors import ApiError, ErrorKind, Unavailable
 from aiserve.common.finish import STORABLE, FinishReason
 from services.gateway.cache_keys import cache_key
 from services.gateway.config import GatewayConfig
@@ -23,12 +23,13 @@ from services.gateway.domain import (
     GenerationEvent,
     GenerationRequest,
     RenderedPrompt,
+    RequestOutcome,
     RouteInfo,
     TokenCount,
     TokenCountRequest,
     UsageRecord,
 )
-from services.gateway.interfaces import AnswerStore, PipelineBackends
+from services.gateway.interfaces import AnswerStore, NoObserver, PipelineBackends, RequestObserver
 from services.gateway.pricing import PriceTable
 from services.gateway.stops import StopMatcher
 from services.gateway.validation import fit_prompt
@@ -40,14 +41,20 @@ STORE_GRACE_S = 5.0
 Admit = Callable[[int, str], None]
 """``admit(prompt_tokens, model)``: raises to refuse a request once its prompt is tokenized."""
 
+_VERSION_ERRORS = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL, ErrorKind.DEADLINE_EXCEEDED,
+                             ErrorKind.FAILED_PRECONDITION, ErrorKind.UNKNOWN})
+"""Errors that count against the version that answered (the others are the client's own)."""
+
 
 class Pipeline:
     """Runs requests against the backends."""
 
-    def __init__(self, config: GatewayConfig, backends: PipelineBackends, prices: PriceTable) -> None:
+    def __init__(self, config: GatewayConfig, backends: PipelineBackends, prices: PriceTable,
+                 observer: RequestObserver | None = None) -> None:
         self.config = config
         self.backends = backends
         self.prices = prices  # the one table accounting reserves with, so cost and reservation agree
+        self.observer: RequestObserver = observer if observer is not None else NoObserver()
 
     async def generate(self, req: GatewayRequest, timeout_s: float | None,
                        admit: Admit | None = None) -> AsyncGenerator[Chunk | Final, None]:
@@ -59,8 +66,24 @@ class Pipeline:
         """
         started = time.perf_counter()
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self.config.downstream_timeout_s)
-        route = await self.backends.router.route(req.model)
-        prompt = self._fit_context(req, await self._render(req), route)
+        version = self.backends.router.pick(req.model, req.tenant, req.session)
+        try:  # the whole request runs on the version it was routed to
+            route = await self.backends.router.route(version)
+            async with aclosing(self._generate_on(route, req, started, deadline, admit)) as items:
+                async for item in items:
+                    if isinstance(item, Final):
+                        self.observer.observe(_outcome(item))
+                    yield item
+        except Exception as exc:
+            if not isinstance(exc, ApiError) or exc.kind in _VERSION_ERRORS:
+                self.observer.observe(RequestOutcome(version, 0, 0.0, True, False, 0))
+            raise
+        finally:
+            self.backends.router.release(version)
+
+    async def _generate_on(self, route: RouteInfo, req: GatewayRequest, started: float, deadline: float,
+                           admit: Admit | None) -> AsyncGenerator[Chunk | Final, None]:
+        prompt = self._fit_context(req, await self._render(req, route.model), route)
         if admit is not None:
             admit(len(prompt.token_ids), route.model)
         key = cache_key(route.model, req.tenant, req.sampling.cache_key(), prompt.text, req.messages,
@@ -83,8 +106,12 @@ class Pipeline:
 
     async def count_tokens(self, request: TokenCountRequest) -> TokenCount:
         """Tokens of the request's input as a generation would render it, on the checked route."""
-        route = await self.backends.router.route(request.model)
-        count = await self.backends.tokenizer.count_tokens(request.prompt, request.messages, route.model)
+        version = self.backends.router.pick(request.model)
+        try:
+            route = await self.backends.router.route(version)
+            count = await self.backends.tokenizer.count_tokens(request.prompt, request.messages, route.model)
+        finally:
+            self.backends.router.release(version)
         return TokenCount(count, route.context_length, route.model)
 
     async def report_cache_feedback(self, entry_id: str, is_negative: bool, similarity: float) -> None:
@@ -92,11 +119,11 @@ class Pipeline:
         if self.backends.cache is not None and entry_id:
             await self.backends.cache.report_feedback(entry_id, is_negative, similarity)
 
-    async def _render(self, req: GatewayRequest) -> RenderedPrompt:
+    async def _render(self, req: GatewayRequest, model: str) -> RenderedPrompt:
         if req.messages is not None:
-            return await self.backends.tokenizer.apply_chat_template(req.messages)
+            return await self.backends.tokenizer.apply_chat_template(req.messages, model)
         assert req.prompt is not None
-        return RenderedPrompt(req.prompt, await self.backends.tokenizer.tokenize(req.prompt))
+        return RenderedPrompt(req.prompt, await self.backends.tokenizer.tokenize(req.prompt, model))
 
     def _fit_context(self, req: GatewayRequest, prompt: RenderedPrompt, route: RouteInfo) -> RenderedPrompt:
         """The context is a hard limit: refuse, or drop the oldest tokens if asked."""
@@ -141,7 +168,7 @@ class Pipeline:
         held-back text (with no event); cancels what it started unless it ended."""
         request = GenerationRequest(req.request_id, model, prompt.token_ids, req.sampling, req.priority)
         generation = self.backends.generations.open(request, _remaining_s(deadline))  # the client's deadline
-        detok = self.backends.detokenizer.open(req.request_id, skip_special_tokens=True)
+        detok = self.backends.detokenizer.open(req.request_id, skip_special_tokens=True, model=model)
         stops = StopMatcher(req.sampling.stop)
         try:
             while True:
@@ -182,6 +209,13 @@ def _replay(hit: CachedAnswer, prompt_tokens: int, model: str, started: float) -
     yield Final(hit.finish_reason, UsageRecord(
         prompt_tokens, hit.completion_tokens, cache_hit=True, queue_ms=0, ttft_ms=ms, total_ms=ms, model=model,
         cost_micros=0, cache_similarity=hit.similarity, cache_entry_id=hit.entry_id))
+
+
+def _outcome(final: Final) -> RequestOutcome:
+    """A finished request as the observer sees it."""
+    u = final.usage
+    tpot_ms = (u.total_ms - u.ttft_ms) / (u.completion_tokens - 1) if u.completion_tokens > 1 else 0.0
+    return RequestOutcome(u.model, u.ttft_ms, tpot_ms, False, u.cache_hit, u.cost_micros)
 
 
 def _ms_since(started: float) -> int:

@@ -9,6 +9,7 @@ for the whole target: a call is an HTTP/2 stream, which lives on one connection 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from grpc import aio
 
@@ -18,8 +19,19 @@ from services.gateway.detokenize_mux_client import DetokenizeMuxClient
 from services.gateway.domain import RouteInfo
 from services.gateway.generate_call_client import GenerateCallClient
 from services.gateway.generate_mux_client import GenerateMuxClient
-from services.gateway.interfaces import Router
 from services.gateway.tokenizer_client import TokenizerClient
+
+
+class PairingCheck(Protocol):
+    """An inference replica's pairing with its version's tokenizer (``version_backends.RouteChecker``)."""
+
+    async def route(self, model: str) -> RouteInfo:
+        """The checked pairing for ``model``; NOT_FOUND / FAILED_PRECONDITION / UNAVAILABLE."""
+        ...
+
+    def forget_route(self) -> None:
+        """Check again on the next use."""
+        ...
 
 
 class TokenizerClients:
@@ -41,7 +53,7 @@ class InferenceClients:
     """An inference replica's generations and its pairing check (``checker``, cached)."""
 
     def __init__(self, channel: aio.Channel, generate_mux: bool,
-                 make_checker: Callable[[inference_pb2_grpc.InferenceStub], Router]) -> None:
+                 make_checker: Callable[[inference_pb2_grpc.InferenceStub], PairingCheck]) -> None:
         stub = inference_pb2_grpc.InferenceStub(channel)
         self.generations: GenerateMuxClient | GenerateCallClient = (
             GenerateMuxClient(stub) if generate_mux else GenerateCallClient(stub))

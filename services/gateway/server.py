@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from grpc import aio
 
-from aiserve.common.context import AUTHORIZATION_KEY, current_request_id, traceparent_var
+from aiserve.common.context import AUTHORIZATION_KEY, SESSION_KEY, current_request_id, traceparent_var
 from aiserve.common.logging import get_logger
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import admin_pb2, common_pb2, gateway_pb2, gateway_pb2_grpc
@@ -21,6 +22,7 @@ from services.gateway.admin import add_admin
 from services.gateway.backends import Backends
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Chunk, Final
+from services.gateway.interfaces import NoObserver, RequestObserver
 from services.gateway.messages import (
     chunk_to_pb,
     complete_to_pb,
@@ -32,13 +34,18 @@ from services.gateway.messages import (
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
+from services.gateway.route_store import RouteStore
 from services.gateway.validation import usage_period
 
 log = get_logger("gateway")
 
 
+def _metadata(context: aio.ServicerContext, key: str) -> str:
+    return next((str(v) for k, v in context.invocation_metadata() or () if k == key), "")
+
+
 def _authorization(context: aio.ServicerContext) -> str:
-    return next((str(v) for k, v in context.invocation_metadata() or () if k == AUTHORIZATION_KEY), "")
+    return _metadata(context, AUTHORIZATION_KEY)
 
 
 def _log_finished(final: Final) -> None:
@@ -65,7 +72,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         context: aio.ServicerContext) -> AsyncGenerator[Chunk | Final, None]:
         """Authenticate, validate, admit, generate; the Final comes after its row is committed."""
         caller = account.authenticate(_authorization(context))
-        req = account.admit(request_from_pb(request, self.config, account.request_id))
+        req = account.admit(replace(request_from_pb(request, self.config, account.request_id),
+                                    session=_metadata(context, SESSION_KEY)))
         async with aclosing(self.pipeline.generate(req, context.time_remaining(), account.reserve)) as items:
             async for item in items:
                 if isinstance(item, Chunk):
@@ -129,19 +137,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return count_to_pb(count, current_request_id())
 
 
-async def create_server(config: GatewayConfig) -> ServiceHandle:
-    """The gateway server, bound (``config.port`` 0 = a free port) but not started."""
+async def create_server(config: GatewayConfig, observer: RequestObserver | None = None) -> ServiceHandle:
+    """The gateway server, bound (``config.port`` 0 = a free port) but not started; ``observer``
+    sees every finished request and gives Admin the versions' figures (None: zeros)."""
     handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
                         config.host, config.port)
     metrics = GatewayMetrics(handle.registry)
-    backends = Backends(config, metrics.set_cache_available)
+    backends = Backends(config, metrics.set_cache_available, RouteStore(config.routes_file()))
     handle.health_loop = lambda: backends.health_loop(handle.set_serving)  # SERVING while the backends are
     accounting = Accounting.open(config)
-    pipeline = Pipeline(config, backends.pipeline, accounting.prices)
+    observer = observer if observer is not None else NoObserver()
+    pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer)
     servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
-    add_admin(handle, config.admin_key_file(), backends, accounting)
+    add_admin(handle, config.admin_key_file(), backends, accounting, observer)
     handle.servicer = servicer
     handle.on_close.append(backends.close)  # closed last (on_close runs in reverse)
     handle.on_close.append(accounting.close)

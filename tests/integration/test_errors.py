@@ -134,6 +134,7 @@ async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_t
         cache_address="",
         keys_path=str(suite.config.home / "keys.sqlite3"),  # the suite's keys: its dev key works here too
         ledger_path=str(tmp_path / "ledger.sqlite3"),
+        routes_path=str(tmp_path / "routes.sqlite3"),
     )
     handle = await create_server(config)
     await handle.start()

@@ -15,7 +15,9 @@ from services.gateway.domain import (
     GenerationEvent,
     GenerationRequest,
     RenderedPrompt,
+    RequestOutcome,
     RouteInfo,
+    VersionFigures,
 )
 from services.gateway.interfaces import PipelineBackends
 from services.gateway.pipeline import Pipeline
@@ -28,22 +30,44 @@ CONFIG = GatewayConfig(default_model=MODEL, prices=(f"{MODEL}=10/20/1000",), max
 class FakeRouter:
     context_length: int = 64
     forgotten: int = 0
+    routed: list[tuple[str, str, str]] = field(default_factory=list)
+    """(model, tenant, session) of each pick."""
+    released: list[str] = field(default_factory=list)
+    version: str = ""
+    """The name@version every request is routed to ("" = the model asked for, or MODEL)."""
+    refusal: Exception | None = None
+    """Raised by ``route`` (the version's pairing check failed)."""
+
+    def pick(self, model: str, tenant: str = "", session: str = "") -> str:
+        self.routed.append((model, tenant, session))
+        return self.version or model or MODEL
 
     async def route(self, model: str) -> RouteInfo:
-        return RouteInfo(model or MODEL, self.context_length)
+        if self.refusal is not None:
+            raise self.refusal
+        return RouteInfo(model, self.context_length)
+
+    def release(self, model: str) -> None:
+        self.released.append(model)
 
     def forget_route(self) -> None:
         self.forgotten += 1
 
 
+@dataclass
 class FakeTokenizer:
     """One token per word (id = the word's length); a chat renders as "role: content" lines."""
 
-    async def apply_chat_template(self, messages: Sequence[tuple[str, str]]) -> RenderedPrompt:
+    models: list[str] = field(default_factory=list)
+    """The version each render or tokenize call was for."""
+
+    async def apply_chat_template(self, messages: Sequence[tuple[str, str]], model: str) -> RenderedPrompt:
+        self.models.append(model)
         text = "".join(f"{role}: {content}\n" for role, content in messages)
         return RenderedPrompt(text, tuple(len(w) for w in text.split()))
 
-    async def tokenize(self, text: str) -> tuple[int, ...]:
+    async def tokenize(self, text: str, model: str) -> tuple[int, ...]:
+        self.models.append(model)
         return tuple(len(w) for w in text.split())
 
     async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
@@ -108,8 +132,10 @@ class FakeDetokenizer:
     texts: dict[int, str] = field(default_factory=dict)
     held: str = ""
     streams: list[FakeDetokenizerStream] = field(default_factory=list)
+    models: list[str] = field(default_factory=list)
 
-    def open(self, request_id: str, skip_special_tokens: bool) -> FakeDetokenizerStream:
+    def open(self, request_id: str, skip_special_tokens: bool, model: str) -> FakeDetokenizerStream:
+        self.models.append(model)
         stream = FakeDetokenizerStream(self.texts, self.held)
         self.streams.append(stream)
         return stream
@@ -162,7 +188,22 @@ class Fakes:
     generations: FakeGenerations = field(default_factory=FakeGenerations)
     detokenizer: FakeDetokenizer = field(default_factory=FakeDetokenizer)
     cache: FakeCache = field(default_factory=FakeCache)
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
+    observer: FakeObserver = field(default_factory=lambda: FakeObserver())
 
     def pipeline(self, config: GatewayConfig = CONFIG) -> Pipeline:
-        backends = PipelineBackends(self.router, FakeTokenizer(), self.generations, self.detokenizer, self.cache)
-        return Pipeline(config, backends, config.price_table())
+        backends = PipelineBackends(self.router, self.tokenizer, self.generations, self.detokenizer, self.cache)
+        return Pipeline(config, backends, config.price_table(), self.observer)
+
+
+@dataclass
+class FakeObserver:
+    """Records every outcome; its figures count them."""
+
+    outcomes: list[RequestOutcome] = field(default_factory=list)
+
+    def observe(self, outcome: RequestOutcome) -> None:
+        self.outcomes.append(outcome)
+
+    def figures(self, model: str) -> VersionFigures:
+        return VersionFigures(requests=sum(o.model == model for o in self.outcomes))

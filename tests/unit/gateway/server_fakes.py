@@ -24,12 +24,14 @@ class FakeTokenizer(tokenizer_pb2_grpc.TokenizerServicer):
     """One token per word; token id n detokenizes to "w{n} ". Counts its Tokenize and
     DetokenizeMux calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = MODEL) -> None:
+        self.model = model
         self.tokenized = 0
         self.mux_calls = 0
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
-        return tokenizer_pb2.TokenizerInfo(model=MODEL, tokenizer_sha256="abc", context_length=4096, vocab_size=100)
+        return tokenizer_pb2.TokenizerInfo(model=self.model, tokenizer_sha256="abc", context_length=4096,
+                                           vocab_size=100)
 
     async def Tokenize(self, request, context):  # noqa: N802, ANN001, ANN201
         self.tokenized += 1
@@ -64,12 +66,14 @@ class FakeInference(inference_pb2_grpc.InferenceServicer):
     7 words hangs after one token. ``tokenizer_sha256`` other than the tokenizer's "abc" makes it
     a replica that fails the pairing check."""
 
-    def __init__(self, seen: Seen, tokenizer_sha256: str = "abc") -> None:
+    def __init__(self, seen: Seen, tokenizer_sha256: str = "abc", model: str = MODEL) -> None:
         self.seen = seen
         self.tokenizer_sha256 = tokenizer_sha256
+        self.model = model
 
     async def Info(self, request, context):  # noqa: N802, ANN001, ANN201
-        return inference_pb2.InferenceInfo(model=MODEL, tokenizer_sha256=self.tokenizer_sha256, context_length=4096)
+        return inference_pb2.InferenceInfo(model=self.model, tokenizer_sha256=self.tokenizer_sha256,
+                                           context_length=4096)
 
     async def GenerateMux(self, requests, context):  # noqa: N802, ANN001, ANN201
         self.seen.mux_calls += 1

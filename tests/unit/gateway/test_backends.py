@@ -21,14 +21,15 @@ from aiserve.common.errors import (
     Unavailable,
 )
 from aiserve.v1 import inference_pb2, inference_pb2_grpc, tokenizer_pb2, tokenizer_pb2_grpc
-from services.gateway import backends as backends_module
+from services.gateway import version_backends as backends_module
 from services.gateway.backend_errors import downstream_error, item_error, status_error
-from services.gateway.backends import Backends, RouteChecker
+from services.gateway.backends import Backends
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import RouteInfo
-from services.gateway.fleet_inference import FleetRouter
 from services.gateway.generate_call_client import GenerateCallClient
 from services.gateway.generate_mux_client import GenerateMuxClient
+from services.gateway.routing import Routes
+from services.gateway.version_backends import RouteChecker
 from tests.unit.gateway.fakes import fake_backend
 
 TIMEOUT_S = 10.0
@@ -198,6 +199,6 @@ async def test_the_gateway_builds_one_adapter_per_backend(generate_mux: bool) ->
         assert len({id(r.clients.generations) for r in inference}) == 2
         assert [r.address for r in built.tokenizers.replicas] == ["127.0.0.1:50052"]
         assert built.pipeline.cache is None  # no cache address: caching is off
-        assert isinstance(built.pipeline.router, FleetRouter)
+        assert isinstance(built.pipeline.router, Routes)
     finally:
         await built.close()

@@ -45,6 +45,10 @@ BAD_VALUES: list[tuple[str, Any]] = [
     ("repeat_similarity", 1.5),
     # feedback
     ("max_feedback_comment_chars", -1),
+    # model routes
+    ("route_stickiness", "user"),
+    ("retire_after_s", -1.0),
+    ("retire_after_s", 8 * 86_400.0),
     # every service's own settings
     ("port", 70_000),
 ]
@@ -53,9 +57,12 @@ BAD_VALUES: list[tuple[str, Any]] = [
 def test_the_defaults_are_valid() -> None:
     GatewayConfig().validate()
     config_with(GatewayConfig, cache_address="")  # no cache is a valid choice
+    for stickiness in ("none", "tenant", "session"):
+        config_with(GatewayConfig, route_stickiness=stickiness)
+    config_with(GatewayConfig, retire_after_s=0.0)  # a promote drops the former stable version at once
 
 
-@pytest.mark.parametrize(("setting", "value"), BAD_VALUES, ids=[name for name, _ in BAD_VALUES])
+@pytest.mark.parametrize(("setting", "value"), BAD_VALUES, ids=[f"{name}={value}" for name, value in BAD_VALUES])
 def test_a_bad_value_is_refused_naming_its_setting(setting: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
         config_with(GatewayConfig, **{setting: value})

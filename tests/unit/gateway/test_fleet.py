@@ -20,11 +20,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from aiserve.common.server import ServiceHandle, wait_for_serving
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
-from services.gateway.fleet_clients import FleetCache, FleetTokenizer
-from services.gateway.fleet_inference import FleetRouter
+from services.gateway.fleet_clients import FleetCache
 from services.gateway.ledger import Ledger
 from services.gateway.pool import ReplicaPool
 from services.gateway.replicas import State
+from services.gateway.routing import Routes
 from services.gateway.server import GatewayServicer, create_server
 from tests.unit.gateway.server_fakes import MODEL, FakeCache, FakeInference, FakeTokenizer, Seen, fake_server
 from tests.unit.gateway.test_server import tenant_keys
@@ -52,11 +52,15 @@ class Fleet:
         return self.gateway.servicer
 
     @property
-    def pool(self) -> ReplicaPool:  # type: ignore[type-arg]
-        """The gateway's inference replicas."""
+    def routes(self) -> Routes:
         router = self.servicer.pipeline.backends.router
-        assert isinstance(router, FleetRouter)
-        return router.pool
+        assert isinstance(router, Routes)
+        return router
+
+    @property
+    def pool(self) -> ReplicaPool:  # type: ignore[type-arg]
+        """The gateway's inference replicas (of its settings' route)."""
+        return self.routes.backends_of(MODEL).inference
 
     @property
     def ledger(self) -> Ledger:
@@ -84,6 +88,7 @@ def gateway_config(tmp_path: Path, tokenizer: ServiceHandle, inference: list[Ser
         inference_address="ipv4:" + ",".join(f"127.0.0.1:{h.port}" for h in inference),
         keys_path=str(tmp_path / "keys.sqlite3"), ledger_path=str(tmp_path / "ledger.sqlite3"),
         admin_key_path=str(tmp_path / "admin.key"), prices=(f"{MODEL}=10/20/1000",),
+        routes_path=str(tmp_path / "routes.sqlite3"),
     )
 
 
@@ -245,9 +250,7 @@ async def test_tokenizer_replicas_share_the_work_and_one_going_away_is_left_out(
         gateway_config(tmp_path, tokenizers[0], [inference]),
         tokenizer_address="ipv4:" + ",".join(f"127.0.0.1:{h.port}" for h in tokenizers))
     fleet = Fleet(await create_server(config), tokenizers[0], [inference], [], tenant_keys(tmp_path / "keys.sqlite3"))
-    backends = fleet.servicer.pipeline.backends
-    assert isinstance(backends.tokenizer, FleetTokenizer)
-    pool = backends.tokenizer.pool
+    pool = fleet.routes.backends_of(MODEL).tokenizers
     try:
         for handle in (*tokenizers, inference, fleet.gateway):
             await handle.start()

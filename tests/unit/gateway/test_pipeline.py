@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from aiserve.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted, Unavailable
 from aiserve.common.finish import FinishReason
 from services.gateway.domain import (
     CachedAnswer,
@@ -201,3 +201,52 @@ async def test_count_tokens_and_cache_feedback_go_to_the_route_and_the_cache() -
     await pipeline.report_cache_feedback("e-1", True, 0.9)
     await pipeline.report_cache_feedback("", True, 0.0)  # not a cache hit's entry: nothing to report
     assert fakes.cache.feedback == [("e-1", True, 0.9)]
+
+
+# --- model routes: the version that answered, held for the whole request ---------------------
+
+async def test_a_request_runs_on_the_version_it_was_routed_to_and_names_it_everywhere() -> None:
+    fakes = Fakes()
+    fakes.router.version = "m@2"  # "m" routed by the weights to m@2
+    fakes.generations.script = list(THREE_TOKENS)
+    _, final = await run(fakes.pipeline(), request(model="m", session="conv-1"))
+    assert fakes.router.routed == [("m", "acme", "conv-1")]  # tenant and session: the sticky keys
+    assert fakes.tokenizer.models == ["m@2"] and fakes.detokenizer.models == ["m@2"]
+    assert fakes.generations.opened[0][0].model == "m@2"
+    assert fakes.cache.lookups[0][0].scope.model == "m@2" and fakes.cache.stores[0].key.scope.model == "m@2"
+    assert final.usage.model == "m@2"
+    assert fakes.router.released == ["m@2"]  # once, when it ended
+    [outcome] = fakes.observer.outcomes
+    assert (outcome.model, outcome.is_error, outcome.cache_hit, outcome.cost_micros) == (
+        "m@2", False, False, final.usage.cost_micros)
+    assert outcome.tpot_ms == (final.usage.total_ms - final.usage.ttft_ms) / 2
+    assert fakes.observer.figures("m@2").requests == 1
+
+
+async def test_a_failed_or_refused_request_releases_its_version_and_only_server_errors_count() -> None:
+    fakes = Fakes()
+    fakes.generations.script = [event(1), Unavailable("inference unavailable: gone")]
+    with pytest.raises(Unavailable):
+        await run(fakes.pipeline(), request())
+
+    def refuse(prompt_tokens: int, model: str) -> None:
+        raise ResourceExhausted("over the limit")
+
+    with pytest.raises(ResourceExhausted):
+        await run(fakes.pipeline(), request(), admit=refuse)
+    fakes.router.version, fakes.router.refusal = "m@2", FailedPrecondition("tokenizer mismatch")
+    with pytest.raises(FailedPrecondition):
+        await run(fakes.pipeline(), request())  # its pairing check failed: the version's fault
+    assert fakes.router.released == [MODEL, MODEL, "m@2"]
+    assert [(o.model, o.is_error) for o in fakes.observer.outcomes] == [(MODEL, True), ("m@2", True)]
+    # (the limit was the client's: not observed)
+
+
+async def test_a_caller_leaving_early_releases_its_version_and_is_not_observed() -> None:
+    fakes = Fakes()
+    fakes.generations.script = list(THREE_TOKENS)
+    async with aclosing(fakes.pipeline().generate(request(), TIMEOUT_S)) as items:
+        await anext(items)
+    assert fakes.router.released == [MODEL] and fakes.observer.outcomes == []
+    await fakes.pipeline().count_tokens(TokenCountRequest("two words", None))
+    assert fakes.router.released == [MODEL, MODEL]

@@ -89,6 +89,7 @@ async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
         default_model=MODEL,
         keys_path=str(tmp_path / "keys.sqlite3"),
         ledger_path=str(tmp_path / "ledger.sqlite3"),
+        routes_path=str(tmp_path / "routes.sqlite3"),
         prices=(f"{MODEL}=10/20/1000",),
     )
     keys = tenant_keys(tmp_path / "keys.sqlite3")
@@ -196,7 +197,7 @@ async def test_the_gateway_counts_in_its_own_registry(gateway: Gateway) -> None:
     async with aio.insecure_channel(gateway.address) as channel:
         await gateway_pb2_grpc.GatewayStub(channel).Complete(request(), metadata=gateway.auth("payer"),
                                                              timeout=TIMEOUT_S)
-    labels = {"finish_reason": "length", "cache_hit": "false"}
+    labels = {"model": MODEL, "finish_reason": "length", "cache_hit": "false"}
     registry = gateway.handle.registry
     assert registry.get_sample_value("aiserve_gateway_requests_total", labels) == 1.0
     assert registry.get_sample_value("aiserve_gateway_tokens_total", {"kind": "completion"}) == 4.0
