@@ -68,6 +68,8 @@ def rollout_store(tmp_path_factory: pytest.TempPathFactory, store: ModelStore) -
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory, rollout_store: ModelStore) -> Iterator[Suite]:
     config = config_for_tests(tmp_path_factory.mktemp("aiserve-rollouts"), rollout_store.root)
+    # One tenant sends every request here: sticky by tenant, they would all go to one version.
+    config.extra_env["AISERVE_GATEWAY_ROUTE_STICKINESS"] = "session"
     yield from run_suite(config)
 
 
@@ -116,6 +118,8 @@ async def test_a_started_version_takes_its_weight_and_pinned_requests(fleet: Sui
 
     counts = await answered_by(fleet, 100)
     assert set(counts) == {STABLE, CANARY} and 20 <= counts[CANARY] <= 40, counts
+    for session in ("s1", "s2", "s3"):  # one conversation stays on one version
+        assert len(await answered_by(fleet, 8, session=session)) == 1
     assert await answered_by(fleet, 10, model=CANARY) == {CANARY: 10}
     assert await answered_by(fleet, 10, model=STABLE) == {STABLE: 10}
 
