@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiserve.common.config import ServiceConfig, require
 from aiserve.common.paths import ADMIN_KEY_FILE, KEYS_FILE, LEDGER_FILE, ROUTES_FILE, home_file
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
+from services.gateway.canary_judge import JudgeConfig
 from services.gateway.pricing import Price, PriceTable, parse_prices
 from services.gateway.targets import parse_target
 
@@ -54,6 +55,9 @@ class GatewayConfig(ServiceConfig):
     retire_after_s: float = 300.0
     """Seconds a former stable version stays loaded after a promote (a rollback is instant
     meanwhile), when the Promote call does not say."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The canary judgement: ``canary_judge_interval_s``, ``canary_window_s``,
+    ``canary_min_requests`` and the margins (services/gateway/canary_judge.py)."""
     default_max_new_tokens: int = 256
     """max_new_tokens when neither the request nor its preset sets it."""
     max_new_tokens_limit: int = 2048
@@ -122,6 +126,7 @@ class GatewayConfig(ServiceConfig):
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range (each group checks its own)."""
         super().validate()
+        self.judge.validate()
         self._validate_addresses()
         self._validate_request_limits()
         self._validate_prices()

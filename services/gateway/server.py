@@ -7,6 +7,7 @@ the core sees pb or grpc.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import replace
@@ -20,9 +21,10 @@ from aiserve.v1 import admin_pb2, common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.accounting import Accounting, RequestAccount
 from services.gateway.admin import add_admin
 from services.gateway.backends import Backends
+from services.gateway.canary import CanaryWatch
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Chunk, Final
-from services.gateway.interfaces import NoObserver, RequestObserver
+from services.gateway.interfaces import RequestObserver
 from services.gateway.messages import (
     chunk_to_pb,
     complete_to_pb,
@@ -139,15 +141,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
 async def create_server(config: GatewayConfig, observer: RequestObserver | None = None) -> ServiceHandle:
     """The gateway server, bound (``config.port`` 0 = a free port) but not started; ``observer``
-    sees every finished request and gives Admin the versions' figures (None: zeros)."""
+    sees every finished request and gives Admin the versions' figures (None: the canary
+    judgement's window, services/gateway/canary.py)."""
     handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
                         config.host, config.port)
     metrics = GatewayMetrics(handle.registry)
     backends = Backends(config, metrics.set_cache_available, RouteStore(config.routes_file()))
-    handle.health_loop = lambda: backends.health_loop(handle.set_serving)  # SERVING while the backends are
+    canaries = CanaryWatch(config.judge, handle.registry)
+
+    async def loops() -> None:  # while it serves: health follows the backends; canaries are judged
+        await asyncio.gather(backends.health_loop(handle.set_serving),
+                             canaries.run(lambda: backends.routes.table, backends.routes.rollback))
+
+    handle.health_loop = loops
     accounting = Accounting.open(config)
-    observer = observer if observer is not None else NoObserver()
+    observer = observer if observer is not None else canaries.observer
     pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer)
     servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from aiserve.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from suite.rollout_start import RolloutError, StartRequest, rollout_start
 from suite.runner import Suite
 from suite.version_instances import read_versions
-from tests.integration.conftest import auth, config_for_tests, dev_key, run_suite
+from tests.integration.conftest import auth, config_for_tests, dev_key, log_records, run_suite
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 STABLE = DEFAULT_MODEL_REF
@@ -70,6 +71,21 @@ def fleet(tmp_path_factory: pytest.TempPathFactory, rollout_store: ModelStore) -
     config = config_for_tests(tmp_path_factory.mktemp("aiserve-rollouts"), rollout_store.root)
     # One tenant sends every request here: sticky by tenant, they would all go to one version.
     config.extra_env["AISERVE_GATEWAY_ROUTE_STICKINESS"] = "session"
+    # Weights are set by hand here; the judgement has its own suite (judged) below.
+    config.extra_env["AISERVE_GATEWAY_CANARY_JUDGE_INTERVAL_S"] = "3600"
+    yield from run_suite(config)
+
+
+JUDGE_INTERVAL_S = 2
+
+
+@pytest.fixture(scope="module")
+def judged(tmp_path_factory: pytest.TempPathFactory, rollout_store: ModelStore) -> Iterator[Suite]:
+    """A suite whose gateway judges canaries every JUDGE_INTERVAL_S on 5 requests a side."""
+    config = config_for_tests(tmp_path_factory.mktemp("aiserve-judged"), rollout_store.root)
+    config.extra_env.update({"AISERVE_GATEWAY_ROUTE_STICKINESS": "session",
+                             "AISERVE_GATEWAY_CANARY_JUDGE_INTERVAL_S": str(JUDGE_INTERVAL_S),
+                             "AISERVE_GATEWAY_CANARY_WINDOW_S": "60", "AISERVE_GATEWAY_CANARY_MIN_REQUESTS": "5"})
     yield from run_suite(config)
 
 
@@ -77,10 +93,10 @@ def admin_auth(suite: Suite) -> tuple[tuple[str, str], ...]:
     return auth(suite.admin_key_path.read_text().strip())
 
 
-def start_request(suite: Suite, model: str, weight: int) -> StartRequest:
+def start_request(suite: Suite, model: str, weight: int, **settings: str) -> StartRequest:
     return StartRequest(model, weight, suite.config.address("gateway"), suite.admin_key_path.read_text().strip(),
                         dev_key(suite), suite.config.home, Path(suite.config.extra_env["AISERVE_MODEL_STORE"]),
-                        timeout_s=TIMEOUT_S)
+                        timeout_s=TIMEOUT_S, settings=settings)
 
 
 async def routes(suite: Suite) -> dict[str, admin_pb2.RouteVersion]:
@@ -96,13 +112,14 @@ async def set_weights(suite: Suite, weights: dict[str, int]) -> None:
             admin_pb2.SetWeightsRequest(name=NAME, weights=weights), metadata=admin_auth(suite), timeout=TIMEOUT_S)
 
 
-async def answered_by(suite: Suite, n: int, model: str = "", session: str = "") -> collections.Counter[str]:
+async def answered_by(suite: Suite, n: int, model: str = "", session: str = "",
+                      max_new_tokens: int = 2) -> collections.Counter[str]:
     """Which version answered each of ``n`` concurrent requests (their Usage.model)."""
     metadata = auth(dev_key(suite)) + ((("x-aiserve-session", session),) if session else ())
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         replies = await asyncio.gather(*(
-            stub.Complete(chat_request(f"Say {i}.", 2, model=model, cache=gateway_pb2.CACHE_POLICY_BYPASS),
+            stub.Complete(chat_request(f"Say {i}.", max_new_tokens, model=model, cache=gateway_pb2.CACHE_POLICY_BYPASS),
                           metadata=metadata, timeout=TIMEOUT_S) for i in range(n)))
     return collections.Counter(r.usage.model for r in replies)
 
@@ -193,3 +210,20 @@ async def test_a_version_that_fails_verification_never_gets_traffic(fleet: Suite
             await gateway_pb2_grpc.GatewayStub(channel).Complete(
                 chat_request("Hi", 2, model=TAMPERED), metadata=auth(dev_key(fleet)), timeout=TIMEOUT_S)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_slower_canary_is_rolled_back_by_the_gateway_within_two_judgements(judged: Suite) -> None:
+    # The same weights, but every engine step of the canary waits 100 ms (a test setting).
+    await rollout_start(start_request(judged, CANARY, 50, AISERVE_INFERENCE_STEP_DELAY_MS="100"), io.StringIO())
+    counts = await answered_by(judged, 30, max_new_tokens=8)  # enough of each side to judge
+    sent = time.monotonic()
+    assert counts[CANARY] >= 5 or (await routes(judged))[CANARY].weight == 0, counts
+    # Nothing announces a rollback to a client; ask the Admin service until it shows one.
+    while (canary := (await routes(judged))[CANARY]).weight:
+        assert time.monotonic() - sent < 2 * JUDGE_INTERVAL_S + 1, "no rollback within two judgements"
+        await asyncio.sleep(0.1)
+    assert canary.role == admin_pb2.VERSION_ROLE_CANARY and "p95" in canary.rolled_back_reason, canary
+    assert (await routes(judged))[STABLE].weight == 100
+    assert await answered_by(judged, 10) == {STABLE: 10}
+    [record] = [r for r in log_records(judged, "gateway") if r.get("event") == "canary_rollback"]
+    assert record["canary"] == CANARY
