@@ -166,6 +166,20 @@ class Streams:
             await asyncio.gather(*(self.one(stub, i) for i in range(self.n)))
 
 
+async def test_weights_moving_under_load_lose_nothing(fleet: Suite) -> None:
+    if CANARY not in await routes(fleet):
+        await rollout_start(start_request(fleet, CANARY, 0), io.StringIO())
+    await set_weights(fleet, {STABLE: 100, CANARY: 0})
+    streams = Streams(fleet, 32)
+    running = asyncio.ensure_future(streams.run())
+    await asyncio.wait_for(streams.started.wait(), TIMEOUT_S)
+    for canary in (10, 50, 100):  # 0 -> 10 -> 50 -> 100% while the streams run
+        await set_weights(fleet, {STABLE: 100 - canary, CANARY: canary})
+    await asyncio.wait_for(running, TIMEOUT_S)
+    assert not streams.errors and len(streams.models) == 32, streams.errors
+    assert await answered_by(fleet, 10) == {CANARY: 10}
+
+
 async def test_rollback_and_promote_under_load_lose_nothing(fleet: Suite) -> None:
     if CANARY not in await routes(fleet):
         await rollout_start(start_request(fleet, CANARY, 50), io.StringIO())
