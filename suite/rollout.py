@@ -48,6 +48,7 @@ from suite.rollout_view import (
     weights_for,
 )
 from suite.status import REFUSED, STATE_NAMES
+from suite.version_instances import stop_unrouted
 
 ROLES = {admin_pb2.VERSION_ROLE_STABLE: STABLE, admin_pb2.VERSION_ROLE_CANARY: CANARY,
          admin_pb2.VERSION_ROLE_RETIRING: RETIRING}
@@ -112,7 +113,14 @@ async def run_action(args: argparse.Namespace, admin: Admin) -> str:
 
 async def _run(args: argparse.Namespace, admin_key: str) -> str:
     async with aio.insecure_channel(args.address) as channel:
-        return await run_action(args, Admin(channel, admin_key, args.timeout))
+        admin = Admin(channel, admin_key, args.timeout)
+        text = await run_action(args, admin)
+        # Versions that a rollout started and the gateway no longer routes to (retired after a
+        # promote, or removed) are stopped here: their memory is the next version's.
+        routed = {v.model for route in await admin.routes() for v in route.versions}
+        home = (Path(args.home) if args.home else aiserve_home()).resolve()
+        stopped = await asyncio.to_thread(stop_unrouted, home, routed)
+    return text + "".join(f"\nstopped {model}: it is on no route any more" for model in stopped)
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:

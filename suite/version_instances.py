@@ -16,7 +16,7 @@ import os
 import select
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -148,6 +148,15 @@ def stop_version(home: Path, model: str, timeout_s: float = STOP_TIMEOUT_S) -> i
     stopped = sum(_stop(process.pid, timeout_s) for process in versions.pop(model, []))
     _write_versions(home, versions)
     return stopped
+
+
+def stop_unrouted(home: Path, routed: Collection[str], timeout_s: float = STOP_TIMEOUT_S) -> list[str]:
+    """Stop the recorded versions that are on no route any more (removed, or retired after a
+    promote); the models stopped."""
+    gone = [model for model in read_versions(home) if model not in routed]
+    for model in gone:
+        stop_version(home, model, timeout_s)
+    return gone
 
 
 def stop_all_versions(home: Path, timeout_s: float = STOP_TIMEOUT_S) -> int:

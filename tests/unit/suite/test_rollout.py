@@ -234,11 +234,16 @@ def test_status_and_list_read_the_routes(admin: tuple[FakeAdmin, list[str]],
     assert data["routes"][0]["versions"][0]["ttft_p95_ms"] == 412
 
 
+def last_change(servicer: FakeAdmin) -> object:
+    """The last request that was not a ListRoutes (each command also reads the routes after)."""
+    return [r for r in servicer.requests if not isinstance(r, admin_pb2.ListRoutesRequest)][-1]
+
+
 def test_weight_sets_the_canary_and_the_stable_version(admin: tuple[FakeAdmin, list[str]],
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     servicer, reach = admin
     assert rollout("weight", "25", *reach) == 0
-    sent = servicer.requests[-1]
+    sent = last_change(servicer)
     assert isinstance(sent, admin_pb2.SetWeightsRequest)
     assert (sent.name, dict(sent.weights)) == ("smollm2", {CANARY: 25, STABLE: 75})
     weights = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("weight"))
@@ -258,7 +263,7 @@ def test_promote_makes_the_canary_stable(admin: tuple[FakeAdmin, list[str]],
                                          capsys: pytest.CaptureFixture[str]) -> None:
     servicer, reach = admin
     assert rollout("promote", "--retire-after", "60", *reach, "--json") == 0
-    sent = servicer.requests[-1]
+    sent = last_change(servicer)
     assert isinstance(sent, admin_pb2.PromoteRequest) and (sent.model, sent.retire_after_s) == (CANARY, 60.0)
     versions = json.loads(capsys.readouterr().out)["routes"][0]["versions"]
     assert {v["model"]: (v["role"], v["weight"]) for v in versions} == {CANARY: ("stable", 100),
@@ -269,7 +274,7 @@ def test_rollback_sends_the_reason_and_shows_it(admin: tuple[FakeAdmin, list[str
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     servicer, reach = admin
     assert rollout("rollback", "--reason", "answers too long", *reach) == 0
-    sent = servicer.requests[-1]
+    sent = last_change(servicer)
     assert isinstance(sent, admin_pb2.RollbackRequest) and (sent.name, sent.reason) == ("smollm2", "answers too long")
     out = capsys.readouterr().out
     assert "answers too long" in out

@@ -18,6 +18,7 @@ from suite.version_instances import (
     _write_versions,
     read_versions,
     stop_all_versions,
+    stop_unrouted,
     version_env,
 )
 
@@ -92,3 +93,14 @@ def test_a_versions_own_settings_win(tmp_path: Path) -> None:
                       settings={"AISERVE_INFERENCE_STEP_DELAY_MS": "50", "AISERVE_TOKENIZER_X": "1"})
     assert env["AISERVE_INFERENCE_STEP_DELAY_MS"] == "50"
     assert "AISERVE_INFERENCE_DTYPE" not in env and "AISERVE_TOKENIZER_X" not in env  # each its own service's
+
+
+def test_versions_on_no_route_are_stopped(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        _write_versions(tmp_path, {"m@1": [VersionProcess("inference", child.pid, "a:1")], "m@2": []})
+        assert stop_unrouted(tmp_path, {"m@2", "m@3"}, timeout_s=30) == ["m@1"]
+        assert child.poll() is not None and list(read_versions(tmp_path)) == ["m@2"]
+    finally:
+        child.kill()
+        child.wait()
