@@ -28,6 +28,9 @@ class WindowObserver:
         self.window.record(outcome.model, self._clock(), outcome.ttft_ms or None, outcome.tpot_ms or None,
                            outcome.is_error, outcome.cache_hit, outcome.cost_micros)
 
+    def rated(self, model: str, negative: bool) -> None:
+        self.window.record_feedback(model, negative, self._clock())
+
     def figures(self, model: str) -> VersionFigures:
         w = self.window.figures(model)
         return VersionFigures(w.window_s, w.requests, w.error_rate, w.ttft_p50_ms, w.ttft_p95_ms, w.tpot_p50_ms,

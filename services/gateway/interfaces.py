@@ -155,6 +155,10 @@ class RequestObserver(Protocol):
         """One request ended (a Final, or a server-side or client error); never blocks."""
         ...
 
+    def rated(self, model: str, negative: bool) -> None:
+        """A client rated an answer of ``model`` (name@version)."""
+        ...
+
     def figures(self, model: str) -> VersionFigures:
         """``model``'s (name@version) requests over the observer's window."""
         ...
@@ -164,6 +168,9 @@ class NoObserver:
     """The default ``RequestObserver``: keeps nothing, every version's figures are zeros."""
 
     def observe(self, outcome: RequestOutcome) -> None:
+        """Nothing is kept."""
+
+    def rated(self, model: str, negative: bool) -> None:
         """Nothing is kept."""
 
     def figures(self, model: str) -> VersionFigures:

@@ -118,6 +118,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         caller = self.accounting.authenticate(_authorization(context))
         row = await self.accounting.feedback.rate(caller.tenant.name, request.request_id, request.rating,
                                                   request.comment)
+        self.pipeline.observer.rated(row.model, request.rating < 0)  # the version's figures
         if row.cache_hit:  # the cache learns which of its answers were bad (it may evict them)
             await self.pipeline.report_cache_feedback(row.cache_entry_id, request.rating < 0, row.cache_similarity)
         return gateway_pb2.FeedbackResponse(request_id=current_request_id())

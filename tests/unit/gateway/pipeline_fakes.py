@@ -205,5 +205,8 @@ class FakeObserver:
     def observe(self, outcome: RequestOutcome) -> None:
         self.outcomes.append(outcome)
 
+    def rated(self, model: str, negative: bool) -> None:
+        """Ratings are not what these tests look at."""
+
     def figures(self, model: str) -> VersionFigures:
         return VersionFigures(requests=sum(o.model == model for o in self.outcomes))

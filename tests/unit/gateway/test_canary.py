@@ -19,6 +19,9 @@ def test_finished_requests_become_their_versions_figures() -> None:
     assert (one.requests, one.error_rate, one.ttft_p95_ms, one.tpot_p95_ms) == (2, 0.5, 40, 10.0)
     assert one.mean_cost_micros == 100 and one.window_s == 60.0
     assert observer.figures("m@2").cache_hit_rate == 1.0
+    observer.rated("m@2", negative=True)
+    observer.rated("m@2", negative=False)
+    assert observer.figures("m@2").negative_feedback_rate == 0.5
     now[0] += 61  # out of the window
     assert observer.figures("m@1").requests == 0
 

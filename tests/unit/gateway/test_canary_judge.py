@@ -219,10 +219,8 @@ def test_the_metrics_count_verdicts_and_rollbacks_by_model() -> None:
 
 def test_the_settings_embed_in_the_gateways_under_their_own_names() -> None:
     """Each name is unique among the gateway's settings, so AISERVE_GATEWAY_CANARY_* reaches it."""
-    @dataclasses.dataclass(frozen=True)
-    class WithJudge(GatewayConfig):
-        canary: JudgeConfig = dataclasses.field(default_factory=JudgeConfig)
-
-    config = load_config(WithJudge, "gateway", [], {"AISERVE_GATEWAY_CANARY_WINDOW_S": "120",
-                                                    "AISERVE_GATEWAY_CANARY_ROLLBACK_AFTER": "3"})
-    assert (config.canary.canary_window_s, config.canary.canary_rollback_after) == (120.0, 3)
+    config = load_config(GatewayConfig, "gateway", [], {"AISERVE_GATEWAY_CANARY_WINDOW_S": "120",
+                                                        "AISERVE_GATEWAY_CANARY_ROLLBACK_AFTER": "3"})
+    assert (config.judge.canary_window_s, config.judge.canary_rollback_after) == (120.0, 3)
+    with pytest.raises(ConfigError, match="^canary_window_s: must be"):
+        load_config(GatewayConfig, "gateway", [], {"AISERVE_GATEWAY_CANARY_WINDOW_S": "1"})
