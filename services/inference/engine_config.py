@@ -90,11 +90,11 @@ class EngineConfig:
 
     max_new_tokens_limit: int = 4096
     """Largest max_new_tokens one request may ask for (max_seq_len also bounds it). 1..1000000."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
     step_delay_ms: int = 0
     """A TEST setting: every engine step waits this long before its forward, so a version can
     be made slower on purpose (the canary judgement's tests and drills); 0 = off. 0..10000."""
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_cache: KVCacheConfig = field(default_factory=KVCacheConfig)
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
