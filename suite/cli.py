@@ -26,6 +26,7 @@ from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from suite.admin import add_commands
 from suite.config import REPLICAS_ENV
+from suite.retire_watch import watch_retired
 from suite.rollout import add_rollout_command
 from suite.runner import Suite, SuiteConfig
 from suite.status import add_status_command
@@ -87,8 +88,10 @@ async def _run(suite: Suite, timeout_s: float) -> int:
     await suite.start(timeout_s=timeout_s)
     print(_banner(suite, time.perf_counter() - started), flush=True)
     supervisor = asyncio.create_task(suite.supervise())
+    retiring = asyncio.create_task(watch_retired(suite, sys.stdout))  # a promote's old version stops
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({supervisor, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    retiring.cancel()
     if supervisor.done():
         stopping.cancel()
         try:

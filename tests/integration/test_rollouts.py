@@ -20,10 +20,11 @@ from grpc import aio
 
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import admin_pb2, admin_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from suite.retire_watch import watch_retired
 from suite.rollout_start import RolloutError, StartRequest, rollout_start
 from suite.runner import Suite
 from suite.version_instances import read_versions
-from tests.integration.conftest import auth, config_for_tests, dev_key, log_records, run_suite
+from tests.integration.conftest import auth, config_for_tests, dev_key, eventually, log_records, run_suite
 from tests.integration.test_e2e import TIMEOUT_S, chat_request
 
 STABLE = DEFAULT_MODEL_REF
@@ -241,3 +242,24 @@ async def test_a_slower_canary_is_rolled_back_by_the_gateway_within_two_judgemen
     assert await answered_by(judged, 10) == {STABLE: 10}
     [record] = [r for r in log_records(judged, "gateway") if r.get("event") == "canary_rollback"]
     assert record["canary"] == CANARY
+
+
+async def test_after_a_promote_the_runner_stops_the_retired_versions_instances(judged: Suite) -> None:
+    if CANARY not in await routes(judged):
+        await rollout_start(start_request(judged, CANARY, 0), io.StringIO())
+    out = io.StringIO()
+    watch = asyncio.create_task(watch_retired(judged, out, interval_s=0.5))
+    try:
+        async with aio.insecure_channel(judged.config.address("gateway")) as channel:
+            await admin_pb2_grpc.AdminStub(channel).Promote(
+                admin_pb2.PromoteRequest(model=CANARY, retire_after_s=1), metadata=admin_auth(judged),
+                timeout=TIMEOUT_S)
+        # The suite's own first version leaves the route after 1 s; the watch then stops it.
+        await eventually(lambda: not {"tokenizer", "inference"} & set(judged.processes), timeout_s=60,
+                         what="the retired version's instances stopped")
+    finally:
+        watch.cancel()
+    assert "inference serves a version the gateway routes to no more: stopping it" in out.getvalue()
+    assert STABLE not in await routes(judged)
+    assert await answered_by(judged, 3) == {CANARY: 3}  # the promoted version serves on
+    assert judged.restart_count("inference") == 0
