@@ -32,9 +32,7 @@ class WindowObserver:
         self.window.record_feedback(model, negative, self._clock())
 
     def figures(self, model: str) -> VersionFigures:
-        w = self.window.figures(model)
-        return VersionFigures(w.window_s, w.requests, w.error_rate, w.ttft_p50_ms, w.ttft_p95_ms, w.tpot_p50_ms,
-                              w.tpot_p95_ms, w.cache_hit_rate, w.mean_cost_micros, w.negative_feedback_rate)
+        return self.window.figures(model)
 
 
 def pairings(table: RouteTable, window: VersionWindow) -> list[Pairing]:

@@ -21,55 +21,11 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter
 
-from aiserve.common.config import require
 from aiserve.common.logging import get_logger
-from services.gateway.version_window import WindowFigures
+from services.gateway.domain import VersionFigures
+from services.gateway.judge_config import JudgeConfig
 
 log = get_logger("canary_judge")
-
-
-@dataclass(frozen=True, slots=True)
-class JudgeConfig:
-    """When and how the gateway judges its canaries (services/gateway/canary_judge.py)."""
-
-    canary_judge_interval_s: float = 30.0
-    """Seconds between two judgements of every canary. 1..3600."""
-    canary_window_s: float = 300.0
-    """Seconds of finished requests each judgement compares (the figures' window). 10..86400."""
-    canary_min_requests: int = 50
-    """Requests each side needs in the window before it is judged (else TOO_FEW). 1..1000000."""
-    canary_error_rate_margin: float = 0.02
-    """The canary's error rate must exceed the stable one by more than this (absolute, 0.02 = 2
-    percentage points) ... 0..1."""
-    canary_error_rate_ratio: float = 1.5
-    """... and be more than this many times the stable one to count as worse. 1..100."""
-    canary_ttft_p95_ratio: float = 1.5
-    """The canary's TTFT p95 must be more than this many times the stable one ... 1..100."""
-    canary_ttft_p95_margin_ms: float = 50.0
-    """... and more than this many ms above it to count as worse. 0..600000."""
-    canary_tpot_p95_ratio: float = 1.5
-    """The canary's time per output token p95 must be more than this many times the stable one
-    ... 1..100."""
-    canary_tpot_p95_margin_ms: float = 10.0
-    """... and more than this many ms above it to count as worse. 0..600000."""
-    canary_rollback_after: int = 2
-    """Worse judgements in a row that roll the canary back (1 = the first). 1..100."""
-
-    def validate(self) -> None:
-        """Raise ConfigError naming the first setting out of range and its limit."""
-        self._within("canary_judge_interval_s", 1, 3600, " s")
-        self._within("canary_window_s", 10, 86_400, " s")
-        self._within("canary_min_requests", 1, 1_000_000)
-        self._within("canary_error_rate_margin", 0, 1)
-        for name in ("canary_error_rate_ratio", "canary_ttft_p95_ratio", "canary_tpot_p95_ratio"):
-            self._within(name, 1, 100)
-        for name in ("canary_ttft_p95_margin_ms", "canary_tpot_p95_margin_ms"):
-            self._within(name, 0, 600_000, " ms")
-        self._within("canary_rollback_after", 1, 100)
-
-    def _within(self, name: str, low: float, high: float, unit: str = "") -> None:
-        value = getattr(self, name)
-        require(low <= value <= high, f"{name}: must be {low}..{high}{unit}, got {value}")
 
 
 class Decision(enum.Enum):
@@ -92,7 +48,7 @@ class Verdict:
 KEEP = Verdict(Decision.KEEP)
 
 
-def compare(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> Verdict:
+def compare(stable: VersionFigures, canary: VersionFigures, config: JudgeConfig) -> Verdict:
     """The rule on one pair of windows, without any memory of earlier ones."""
     needed = max(config.canary_min_requests - stable.requests, config.canary_min_requests - canary.requests)
     if needed > 0:
@@ -105,7 +61,7 @@ def compare(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -
     return KEEP
 
 
-def _worse_errors(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
+def _worse_errors(stable: VersionFigures, canary: VersionFigures, config: JudgeConfig) -> str:
     s, c = stable.error_rate, canary.error_rate
     if c > s + config.canary_error_rate_margin and c > s * config.canary_error_rate_ratio:
         return (f"canary error rate {c:.1%} > stable {s:.1%} + {config.canary_error_rate_margin * 100:g} points "
@@ -113,14 +69,14 @@ def _worse_errors(stable: WindowFigures, canary: WindowFigures, config: JudgeCon
     return ""
 
 
-def _worse_ttft(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
+def _worse_ttft(stable: VersionFigures, canary: VersionFigures, config: JudgeConfig) -> str:
     if min(stable.ttft_samples, canary.ttft_samples) < config.canary_min_requests:
         return ""  # mostly cache hits or failures: too few first tokens to compare
     return _worse_latency("ttft p95", stable.ttft_p95_ms, canary.ttft_p95_ms, config.canary_ttft_p95_ratio,
                           config.canary_ttft_p95_margin_ms)
 
 
-def _worse_tpot(stable: WindowFigures, canary: WindowFigures, config: JudgeConfig) -> str:
+def _worse_tpot(stable: VersionFigures, canary: VersionFigures, config: JudgeConfig) -> str:
     if min(stable.tpot_samples, canary.tpot_samples) < config.canary_min_requests:
         return ""
     return _worse_latency("tpot p95", stable.tpot_p95_ms, canary.tpot_p95_ms, config.canary_tpot_p95_ratio,
@@ -144,7 +100,7 @@ class CanaryJudge:
         self.streak = 0
         """Worse judgements in a row so far."""
 
-    def judge(self, stable: WindowFigures, canary: WindowFigures) -> Verdict:
+    def judge(self, stable: VersionFigures, canary: VersionFigures) -> Verdict:
         verdict = compare(stable, canary, self.config)
         if verdict.decision is Decision.TOO_FEW:
             return verdict
@@ -165,9 +121,9 @@ class Pairing:
     route: str
     stable: str
     """name@version of the stable version."""
-    stable_figures: WindowFigures
+    stable_figures: VersionFigures
     canary: str
-    canary_figures: WindowFigures
+    canary_figures: VersionFigures
 
 
 ReadFigures = Callable[[], Awaitable[Sequence[Pairing]]]

@@ -8,7 +8,7 @@ from pathlib import Path
 from aiserve.common.config import ServiceConfig, require
 from aiserve.common.paths import ADMIN_KEY_FILE, KEYS_FILE, LEDGER_FILE, ROUTES_FILE, home_file
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
-from services.gateway.canary_judge import JudgeConfig
+from services.gateway.judge_config import JudgeConfig
 from services.gateway.pricing import Price, PriceTable, parse_prices
 from services.gateway.targets import parse_target
 

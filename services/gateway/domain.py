@@ -107,18 +107,27 @@ class RequestOutcome:
 
 @dataclass(frozen=True, slots=True)
 class VersionFigures:
-    """One version's requests over a window (zeros: nothing observed)."""
+    """One version's requests over the last ``window_s`` seconds (zeros: nothing observed):
+    what the Admin service reports and the canary judgement compares, plus how many requests
+    each latency figure is made of (services/gateway/version_window.py)."""
 
     window_s: float = 0.0
     requests: int = 0
     error_rate: float = 0.0
+    """Requests that ended with a server-side error, over ``requests``."""
     ttft_p50_ms: float = 0.0
     ttft_p95_ms: float = 0.0
     tpot_p50_ms: float = 0.0
+    """Time per output token after the first."""
     tpot_p95_ms: float = 0.0
     cache_hit_rate: float = 0.0
     mean_cost_micros: float = 0.0
     negative_feedback_rate: float = 0.0
+    """Negative ratings over the ratings received in the window."""
+    ttft_samples: int = 0
+    """Requests behind the TTFT percentiles: served by the model (no cache hit) with a first token."""
+    tpot_samples: int = 0
+    """Requests behind the TPOT percentiles: served by the model with a second token."""
 
 
 # --- the backends' side -----------------------------------------------------------------------

@@ -21,33 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from services.gateway.domain import VersionFigures
+
 DEFAULT_WINDOW_S = 300.0
 DEFAULT_MAX_ENTRIES = 10_000
 """Requests (and ratings) kept per version: 33 a second over a 300 s window."""
-
-
-@dataclass(frozen=True, slots=True)
-class WindowFigures:
-    """One version's requests over the last ``window_s`` seconds: the fields of the Admin
-    service's ``VersionFigures``, plus how many requests each latency figure is made of."""
-
-    window_s: float = DEFAULT_WINDOW_S
-    requests: int = 0
-    error_rate: float = 0.0
-    """Requests that ended with a server-side error, over ``requests``."""
-    ttft_p50_ms: float = 0.0
-    ttft_p95_ms: float = 0.0
-    tpot_p50_ms: float = 0.0
-    """Time per output token after the first."""
-    tpot_p95_ms: float = 0.0
-    cache_hit_rate: float = 0.0
-    mean_cost_micros: float = 0.0
-    negative_feedback_rate: float = 0.0
-    """Negative ratings over the ratings received in the window."""
-    ttft_samples: int = 0
-    """Requests behind the TTFT percentiles: served by the model (no cache hit) with a first token."""
-    tpot_samples: int = 0
-    """Requests behind the TPOT percentiles: served by the model with a second token."""
 
 
 class _Timed(Protocol):
@@ -116,7 +94,7 @@ class VersionWindow:
         self._finished.pop(model, None)
         self._ratings.pop(model, None)
 
-    def figures(self, model: str, now: float | None = None) -> WindowFigures:
+    def figures(self, model: str, now: float | None = None) -> VersionFigures:
         """``model``'s figures over ``(now - window_s, now]``; all zero for a version never seen."""
         now = self._clock() if now is None else now
         start = now - self.window_s
@@ -126,7 +104,7 @@ class VersionWindow:
         ttft = sorted(f.ttft_ms for f in served if f.ttft_ms is not None)
         tpot = sorted(f.tpot_ms for f in served if f.tpot_ms is not None)
         count = len(finished)
-        return WindowFigures(
+        return VersionFigures(
             window_s=self.window_s, requests=count,
             error_rate=_share(sum(f.is_error for f in finished), count),
             ttft_p50_ms=percentile(ttft, 0.50), ttft_p95_ms=percentile(ttft, 0.95),

@@ -20,7 +20,7 @@ PB = ("aiserve.v1",)
 GATEWAY_CORE = tuple(f"services.gateway.{name}" for name in (
     "accounting", "cache_keys", "canary_judge", "config", "domain", "feedback", "interfaces", "ledger", "limits",
     "metrics", "pipeline", "pricing", "replicas", "route_store", "route_table", "stops", "targets", "tenants",
-    "validation", "version_window"))
+    "judge_config", "validation", "version_window"))
 """The gateway's modules without grpc or pb (docs/gateway.md, "Core and edge")."""
 
 _PROBE = """

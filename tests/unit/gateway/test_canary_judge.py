@@ -24,14 +24,14 @@ from services.gateway.canary_judge import (
     judge_loop,
 )
 from services.gateway.config import GatewayConfig
-from services.gateway.version_window import WindowFigures
+from services.gateway.domain import VersionFigures
 
 CONFIG = JudgeConfig()
-STABLE = WindowFigures(requests=1000, error_rate=0.01, ttft_p50_ms=80, ttft_p95_ms=180, tpot_p50_ms=30,
+STABLE = VersionFigures(requests=1000, error_rate=0.01, ttft_p50_ms=80, ttft_p95_ms=180, tpot_p50_ms=30,
                        tpot_p95_ms=45, ttft_samples=900, tpot_samples=900)
 
 
-def canary(**changes: float) -> WindowFigures:
+def canary(**changes: float) -> VersionFigures:
     """The stable figures with a canary's share of the requests and the given changes."""
     return dataclasses.replace(STABLE, **{"requests": 100, "ttft_samples": 90, "tpot_samples": 90, **changes})
 
@@ -163,7 +163,7 @@ class Script:
                                               sleep=self.sleep), timeout=5)
 
 
-def pair(figures: WindowFigures, canary_model: str = "m@2", route: str = "m") -> Pairing:
+def pair(figures: VersionFigures, canary_model: str = "m@2", route: str = "m") -> Pairing:
     return Pairing(route, "m@1", STABLE, canary_model, figures)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.version_window import VersionWindow, WindowFigures, percentile
+from services.gateway.version_window import VersionFigures, VersionWindow, percentile
 
 V1, V2 = "m@1", "m@2"
 
@@ -33,7 +33,7 @@ def test_figures_of_known_requests() -> None:
     assert figures.cache_hit_rate == pytest.approx(5 / 25)
     assert figures.mean_cost_micros == pytest.approx(2000 / 25)
     assert figures.window_s == 300
-    assert window.figures(V2, now=30.0) == WindowFigures(window_s=300)  # another version: nothing yet
+    assert window.figures(V2, now=30.0) == VersionFigures(window_s=300)  # another version: nothing yet
 
 
 def test_a_request_without_tokens_counts_but_has_no_latency() -> None:
@@ -95,7 +95,7 @@ def test_a_forgotten_version_starts_empty() -> None:
     window.record_feedback(V1, True, at=1.0)
     window.forget(V1)
     window.forget("never@seen")
-    assert window.figures(V1, now=2.0) == WindowFigures()
+    assert window.figures(V1, now=2.0) == VersionFigures(window_s=window.window_s)
 
 
 @pytest.mark.parametrize(("window_s", "max_entries"), [(0, 10), (-1, 10), (10, 0)])
