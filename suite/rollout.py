@@ -29,9 +29,8 @@ import grpc
 from google.protobuf.message import Message
 from grpc import aio
 
-from aiserve.common.paths import ADMIN_KEY_FILE, aiserve_home
+from aiserve.common.paths import aiserve_home
 from aiserve.v1 import admin_pb2, admin_pb2_grpc
-from services.gateway.admin_key import read_admin_key
 from suite.rollout_start import add_start_command
 from suite.rollout_view import (
     CANARY,
@@ -47,7 +46,7 @@ from suite.rollout_view import (
     to_json,
     weights_for,
 )
-from suite.status import REFUSED, STATE_NAMES
+from suite.status import REFUSED, STATE_NAMES, admin_key_of
 from suite.version_instances import stop_unrouted
 
 ROLES = {admin_pb2.VERSION_ROLE_STABLE: STABLE, admin_pb2.VERSION_ROLE_CANARY: CANARY,
@@ -125,10 +124,7 @@ async def _run(args: argparse.Namespace, admin_key: str) -> str:
 
 def cmd_rollout(args: argparse.Namespace) -> int:
     """``aiserve rollout ...``: exit 0 done, 1 the gateway is unreachable or failed, 2 usage error."""
-    key_file = (Path(args.home) if args.home else aiserve_home()) / ADMIN_KEY_FILE
-    key = args.admin_key or read_admin_key(key_file)
-    if not key:
-        print(f"aiserve: no admin key: pass --admin-key or start the suite (it writes {key_file})", file=sys.stderr)
+    if not (key := admin_key_of(args)):
         return 2
     try:
         print(asyncio.run(_run(args, key)))

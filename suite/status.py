@@ -133,12 +133,19 @@ async def fetch_fleet(address: str, admin_key: str, timeout_s: float) -> admin_p
     return reply
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    """``aiserve status [--json]``: exit 0 all SERVING, 1 not (or unreachable), 2 usage error."""
+def admin_key_of(args: argparse.Namespace) -> str | None:
+    """The admin key: ``--admin-key``, else the one in ``--home`` (or $AISERVE_HOME)/admin.key;
+    None, said on stderr, when there is none."""
     key_file = (Path(args.home) if args.home else aiserve_home()) / ADMIN_KEY_FILE
     key = args.admin_key or read_admin_key(key_file)
     if not key:
         print(f"aiserve: no admin key: pass --admin-key or start the suite (it writes {key_file})", file=sys.stderr)
+    return key
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """``aiserve status [--json]``: exit 0 all SERVING, 1 not (or unreachable), 2 usage error."""
+    if not (key := admin_key_of(args)):
         return 2
     try:
         fleet = asyncio.run(fetch_fleet(args.address, key, args.timeout))
