@@ -114,14 +114,18 @@ async def set_weights(suite: Suite, weights: dict[str, int]) -> None:
 
 
 async def answered_by(suite: Suite, n: int, model: str = "", session: str = "",
-                      max_new_tokens: int = 2) -> collections.Counter[str]:
-    """Which version answered each of ``n`` concurrent requests (their Usage.model)."""
-    metadata = auth(dev_key(suite)) + ((("x-aiserve-session", session),) if session else ())
+                      max_new_tokens: int = 2, sessions: bool = False) -> collections.Counter[str]:
+    """Which version answered each of ``n`` concurrent requests (their Usage.model): all in
+    ``session``, or with ``sessions`` each in a conversation of its own."""
+    def metadata(i: int) -> tuple[tuple[str, str], ...]:
+        key = f"conversation-{i}" if sessions else session
+        return auth(dev_key(suite)) + ((("x-aiserve-session", key),) if key else ())
+
     async with aio.insecure_channel(suite.config.address("gateway")) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         replies = await asyncio.gather(*(
             stub.Complete(chat_request(f"Say {i}.", max_new_tokens, model=model, cache=gateway_pb2.CACHE_POLICY_BYPASS),
-                          metadata=metadata, timeout=TIMEOUT_S) for i in range(n)))
+                          metadata=metadata(i), timeout=TIMEOUT_S) for i in range(n)))
     return collections.Counter(r.usage.model for r in replies)
 
 
@@ -134,7 +138,9 @@ async def test_a_started_version_takes_its_weight_and_pinned_requests(fleet: Sui
     assert versions[CANARY].role == admin_pb2.VERSION_ROLE_CANARY
     assert [p.service for p in read_versions(fleet.config.home)[CANARY]] == ["tokenizer", "inference"]
 
-    counts = await answered_by(fleet, 100)
+    # 100 conversations: each session's place in the weights is fixed (sha256), so the split is
+    # the same in every run (26 here), where 100 random draws at 30% fall outside 20-40 in ~3%.
+    counts = await answered_by(fleet, 100, sessions=True)
     assert set(counts) == {STABLE, CANARY} and 20 <= counts[CANARY] <= 40, counts
     for session in ("s1", "s2", "s3"):  # one conversation stays on one version
         assert len(await answered_by(fleet, 8, session=session)) == 1
@@ -230,7 +236,7 @@ async def test_a_version_that_fails_verification_never_gets_traffic(fleet: Suite
 async def test_a_slower_canary_is_rolled_back_by_the_gateway_within_two_judgements(judged: Suite) -> None:
     # The same weights, but every engine step of the canary waits 100 ms (a test setting).
     await rollout_start(start_request(judged, CANARY, 50, AISERVE_INFERENCE_STEP_DELAY_MS="100"), io.StringIO())
-    counts = await answered_by(judged, 30, max_new_tokens=8)  # enough of each side to judge
+    counts = await answered_by(judged, 30, max_new_tokens=8, sessions=True)  # enough of each side to judge
     sent = time.monotonic()
     assert counts[CANARY] >= 5 or (await routes(judged))[CANARY].weight == 0, counts
     # Nothing announces a rollback to a client; ask the Admin service until it shows one.
