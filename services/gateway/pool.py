@@ -18,6 +18,7 @@ from typing import Generic
 from grpc import aio
 
 from aiserve.common.logging import get_logger
+from services.gateway.changes import Changes
 from services.gateway.replica import C, Replica
 from services.gateway.replicas import ReplicaSet
 from services.gateway.targets import GetAddrInfo, Target, resolve
@@ -37,8 +38,8 @@ class ReplicaPool(Generic[C]):
         self.service, self.route, self.target = service, route, target
         self._getaddrinfo = getaddrinfo  # None: the event loop's
         self.replicas: ReplicaSet[Replica[C]] = ReplicaSet(service)
-        self._make_clients, self._on_change = make_clients, on_change
-        self._changed = asyncio.Event()
+        self._make_clients = make_clients
+        self._changes = Changes(on_change)
         self._is_resolved = not target.is_dns
         self._has_settled = False
         self._closing: set[asyncio.Task[None]] = set()
@@ -76,19 +77,10 @@ class ReplicaPool(Generic[C]):
     async def wait_for(self, condition: Callable[[], bool], timeout_s: float) -> None:
         """Return once ``condition()`` holds, checked after each change (TimeoutError after
         ``timeout_s``)."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                self._changed.clear()
-                if condition():
-                    return
-                await self._changed.wait()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._on_change()
+        await self._changes.wait_for(condition, timeout_s)
 
     def _add(self, address: str) -> None:
-        self.replicas.add(Replica(self.service, address, self._make_clients, self._notify))
+        self.replicas.add(Replica(self.service, address, self._make_clients, self._changes.notify))
 
     def update(self, addresses: Collection[str]) -> None:
         """Replicas for exactly ``addresses``: new ones added, vanished ones closed."""
@@ -102,7 +94,7 @@ class ReplicaPool(Generic[C]):
             if address not in self.replicas.addresses():
                 log.info("replica_added", service=self.service, address=address)
                 self._add(address)
-        self._notify()
+        self._changes.notify()
 
     async def _resolve_every(self, interval_s: float) -> None:
         while True:
@@ -115,7 +107,7 @@ class ReplicaPool(Generic[C]):
                     self.update(addresses)
             if not self._is_resolved:
                 self._is_resolved = True
-                self._notify()
+                self._changes.notify()
             await asyncio.sleep(interval_s)
 
     async def close(self) -> None:

@@ -20,6 +20,7 @@ from aiserve.common.config import ConfigError
 from aiserve.common.errors import FailedPrecondition, InvalidArgument, Unavailable
 from aiserve.common.logging import get_logger
 from aiserve.store import is_model_ref
+from services.gateway.changes import Changes
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import RouteInfo
 from services.gateway.route_store import RouteStore
@@ -53,8 +54,8 @@ class Routes:
         self._closing: set[asyncio.Task[None]] = set()
         self._wake = asyncio.Event()
         """Set by every change: the retirement loop looks again at when the next one is due."""
-        self._changed = asyncio.Event()
-        """Set by every change and every dropped version closed (``wait_for`` waits on it)."""
+        self._changes = Changes(on_change)
+        """Every change and every dropped version closed (``wait_for`` waits on it)."""
         self._sync()
         self._retirer = asyncio.get_running_loop().create_task(self._retire_loop(), context=contextvars.Context())
 
@@ -79,7 +80,7 @@ class Routes:
         backends.in_flight -= 1
         if backends.in_flight <= 0 and self._draining.get(model) is backends:
             self._close(self._draining.pop(model))
-            self._notify()
+            self._changes.notify()
 
     def forget_route(self) -> None:
         """Nothing to forget: each version's replicas are checked again when they turn SERVING
@@ -157,21 +158,12 @@ class Routes:
         self.table = changed
         self._sync()
         self._wake.set()
-        self._notify()
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._on_change()
+        self._changes.notify()
 
     async def wait_for(self, condition: Callable[[], bool], timeout_s: float) -> None:
         """Return once ``condition()`` holds, checked after each change of the routes or their
         versions' lifetimes (TimeoutError after ``timeout_s``)."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                self._changed.clear()
-                if condition():
-                    return
-                await self._changed.wait()
+        await self._changes.wait_for(condition, timeout_s)
 
     def _sync(self) -> None:
         """Backends for every version on a route; a dropped version drains, then closes."""
