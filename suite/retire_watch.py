@@ -68,5 +68,5 @@ async def watch_retired(suite: Suite, out: TextIO, interval_s: float = INTERVAL_
                 for name in retired(instances, seen, routed_addresses(routes)):
                     print(f"aiserve: {name} serves a version the gateway routes to no more: stopping it",
                           file=out, flush=True)
-                    await asyncio.to_thread(suite.stop_service, name)  # asked for: never restarted
+                    await suite.shutdown_service(name)  # asked for: never restarted
             await asyncio.sleep(interval_s)  # a timer: nothing announces a route change to the runner

@@ -210,7 +210,7 @@ class Suite:
                 process.wait()
         return process.returncode
 
-    async def _shutdown_service(self, name: str, timeout_s: float) -> int | None:
+    async def shutdown_service(self, name: str, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """``stop_service`` on the event loop: the loop keeps running while the child drains."""
         process = self._take(name)
         if process is None:
@@ -234,10 +234,10 @@ class Suite:
         self._begin_closing()
         codes: dict[str, int | None] = {}
         if "gateway" in self.processes:
-            codes["gateway"] = await self._shutdown_service("gateway", timeout_s)
+            codes["gateway"] = await self.shutdown_service("gateway", timeout_s)
         backends = list(self.processes)
         versions = asyncio.ensure_future(asyncio.to_thread(stop_all_versions, self.config.home, timeout_s))
-        results = await asyncio.gather(*(self._shutdown_service(name, timeout_s) for name in backends))
+        results = await asyncio.gather(*(self.shutdown_service(name, timeout_s) for name in backends))
         await versions
         codes.update(zip(backends, results, strict=True))
         self._close_logs()
