@@ -7,7 +7,8 @@ resumption after preemption need no special phase. A step is schedule -> execute
 
 The parts: ``wait_queue.WaitQueue`` (priority order, batching window), ``slot_table.SlotTable``
 (the running batch in KV slots ``[0, n)``), ``prefix_index.PrefixIndex`` (prompt prefixes whose
-K/V is stored, copied into a new sequence's slot at admission instead of being recomputed) and
+K/V is stored, copied into a sequence's slot when it first gets tokens to compute instead of
+being recomputed) and
 ``draft_planning`` (draft tokens for greedy decodes). This class admits, preempts, spends the
 token budget and accounts each step's results.
 """
@@ -96,9 +97,8 @@ class Scheduler:
             self._finish(seq, FinishReason.CANCELLED, report=True)
         if self._is_gathering(now):
             return self._output((), (), ())
-        loads = self._admit()
-        chunks, saves = self._assign_budget(now)
-        return self._output(chunks, loads, saves)
+        self._admit()
+        return self._output(*self._assign_budget(now))
 
     def update(self, output: SchedulerOutput, sampled: Sequence[Sequence[int]]) -> list[tuple[Seq, int]]:
         """Account a finished step. ``sampled`` holds, per sampled chunk in order, the ids the
@@ -158,21 +158,13 @@ class Scheduler:
             return False
         return self._queue.gather_end(self.capacity, self.config.batch_wait_ms / 1000) > now
 
-    def _admit(self) -> list[BlockCopy]:
-        """Move waiting sequences into free slots in priority order; return prefix loads."""
-        admitted: list[tuple[Seq, tuple[int, ...]]] = []
+    def _admit(self) -> None:
+        """Move waiting sequences into free slots in priority order (their prefix is matched
+        when they first get tokens to compute: ``_assign_budget``)."""
         while (seq := self._queue.peek()) is not None:
             if self._slots.is_full and not self._preempt_for(seq):
                 break
             self._slots.add(self._queue.pop())
-            hits: tuple[int, ...] = ()
-            if self.prefix is not None:  # keep >= 1 token to compute: it yields the logits
-                hits = self.prefix.match(seq.token_ids, seq.num_tokens - 1)
-            seq.num_computed_tokens = len(hits) * self._block_size
-            admitted.append((seq, hits))
-        # Slots are final only now: a later preemption in this loop may have moved a sequence.
-        return [BlockCopy(s.slot, tuple(enumerate(h))) for s, h in admitted
-                if h and s.slot is not None]
 
     def _preempt_for(self, seq: Seq) -> bool:
         """Evict the lowest-priority (then newest) running sequence if ``seq`` outranks it."""
@@ -187,17 +179,23 @@ class Scheduler:
         self._queue.push(victim)
         return True
 
-    def _assign_budget(self, now: float) -> tuple[list[ScheduledChunk], list[BlockCopy]]:
-        """Decodes first (they never stall), then prefill chunks by priority and arrival."""
+    def _assign_budget(self, now: float) -> tuple[list[ScheduledChunk], list[BlockCopy], list[BlockCopy]]:
+        """Decodes first (they never stall), then prefill chunks by priority and arrival; returns
+        the chunks, the prefix loads and the prefix saves."""
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
+        loads: list[BlockCopy] = []
         saves: list[BlockCopy] = []
         order = sorted(self._slots.seqs, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1,
                                                         -s.priority, s.arrival_no))
         for seq in order:
+            if budget <= 0 or seq.slot is None:
+                break
+            if seq.num_computed_tokens == 0 and (hits := self._match_prefix(seq)):
+                loads.append(BlockCopy(seq.slot, tuple(enumerate(hits))))
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
-            if n <= 0 or seq.slot is None:
+            if n <= 0:
                 break
             budget -= n
             end = start + n
@@ -211,7 +209,18 @@ class Scheduler:
                     saves.append(BlockCopy(seq.slot, pairs))
         used = self.config.max_num_batched_tokens - budget
         add_drafts(chunks, self.config.num_speculative_tokens, draft_room(self.config, used))
-        return chunks, saves
+        return chunks, loads, saves
+
+    def _match_prefix(self, seq: Seq) -> tuple[int, ...]:
+        """Stored blocks of ``seq``'s longest stored prefix (its K/V is loaded into the slot
+        before this step's forward), counted as computed. Matched when the sequence first gets
+        tokens, not when it takes a slot: requests that arrive together then reuse the prefix
+        that the first of them computed a step earlier (a shared system prompt)."""
+        if self.prefix is None:
+            return ()
+        hits = self.prefix.match(seq.token_ids, seq.num_tokens - 1)  # keep >= 1 token: it yields the logits
+        seq.num_computed_tokens = len(hits) * self.prefix.block_size
+        return hits
 
     def _append(self, seq: Seq, ids: Sequence[int]) -> int:
         """Append a step's ids to ``seq`` up to a stop id or max_new_tokens (which finish it);
@@ -227,10 +236,6 @@ class Scheduler:
                 self._finish(seq, FinishReason.LENGTH, report=False)
                 return count
         return len(ids)
-
-    @property
-    def _block_size(self) -> int:
-        return self.prefix.block_size if self.prefix is not None else 1
 
     def _remove(self, seq: Seq) -> None:
         """Take ``seq`` out of the queue or the batch."""

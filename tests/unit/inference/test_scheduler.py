@@ -212,6 +212,26 @@ def test_shared_prefix_is_computed_once_and_loaded_later() -> None:
     assert prefix.num_hits == 1 and prefix.num_hit_tokens == 8
 
 
+def test_requests_arriving_together_reuse_the_prefix_the_first_computed() -> None:
+    """Three prompts with a shared 8-token prefix arrive at once; the budget fits one prompt a
+    step. All three take slots in the first step, but the prefix is matched when a sequence
+    first gets tokens, so the second and third load what the first stored."""
+    prefix = PrefixIndex(num_blocks=8, block_size=4)
+    s = make_scheduler(prefix=prefix, max_num_seqs=4, max_num_batched_tokens=10, num_speculative_tokens=0)
+    seqs = [Seq([*range(8), 100 + i, 200 + i], 10, 4) for i in range(3)]
+    for sq in seqs:
+        s.add(sq)
+    first = step(s)
+    assert [c.seq for c in first.chunks] == [seqs[0]] and first.prefix_loads == ()
+    second = step(s)
+    assert [c.blocks for c in second.prefix_loads] == [((0, 0), (1, 1))] * 2
+    chunk = next(c for c in second.chunks if c.seq is seqs[1])
+    assert (chunk.start, len(chunk.token_ids)) == (8, 2)  # 2 of 10 tokens computed, not 10
+    third = next(c for c in second.chunks if c.seq is seqs[2])  # the budget had room: it hits too
+    assert third.start == 8
+    assert prefix.num_hits == 2 and prefix.num_hit_tokens == 16
+
+
 def test_a_fully_stored_prompt_still_computes_its_last_token() -> None:
     """Its logits come from the forward, so the prefix load stops a block short of the end."""
     prefix = PrefixIndex(num_blocks=4, block_size=4)
