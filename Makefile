@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export AISERVE_HOME ?= $(CURDIR)/var
 
-.PHONY: run test lint protos model venv bench lock clean
+.PHONY: run test lint protos model venv bench bench-peers lock clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,7 @@ lock:
 
 clean:
 	rm -rf $(VENV) aiserve/v1
+
+# aiserve against vLLM's CPU build, same machine and prompts (installs it into var/peers first).
+bench-peers: model
+	$(PY) -m bench.peers

@@ -1,0 +1,195 @@
+"""Peer benchmark (`make bench-peers`): aiserve through its gateway against vLLM's CPU build on the
+same machine, same model, same prompts, in the same run.
+
+    .venv/bin/python -m bench.peers [--rounds 3] [--vllm-dtype float32]
+
+vLLM's CPU build is installed into ``var/peers/vllm`` on first use (bench/vllm_peer.py) and
+served on the model store's folder with the settings its CPU docs give for a small machine.
+Both answer "What is the capital of France?" first; a wrong answer stops the bench. Then, each
+side in turn so a slow minute of the VM hits both:
+
+(a) 64 concurrent chat turns "Write a short story about a robot number N." x 64 new tokens;
+(a16) the same 64 requests, 16 at a time;
+(b) one request alone (``--alone`` of them, one after the other, as a rate);
+(c) the mixed workload of the engine bench (48 arrivals over 6 s, max_new 16-256, 16 at a time).
+
+Greedy and streaming on both sides; aiserve's semantic cache is bypassed. Tokens are the
+completion tokens each server reports. Writes bench/results/peers.json and peers.png, with the
+CPU (model, flags, cores) and both sides' settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from grpc import aio
+
+from aiserve.common.paths import model_store_path
+from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
+from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
+from bench.measure import RESULTS, Timing, machine, median_run, percentiles, run_and_write, tpot
+from bench.openai_stream import chat_stream
+from bench.served import Served, start_suite
+from bench.vllm_peer import VllmServer, VllmSettings, install
+from bench.workload import Arrival
+
+PEERS = Path(__file__).resolve().parent.parent / "var" / "peers"
+TIMEOUT_S = 900
+CHECK = "What is the capital of France? Answer in one word."
+
+
+def story_prompts(n: int) -> list[str]:
+    return [f"Write a short story about a robot number {i}." for i in range(n)]
+
+
+def mixed_workload(n: int, spread_s: float) -> list[Arrival]:
+    """The engine bench's (c): ``n`` arrivals over ``spread_s`` seconds, max_new 16-256 (seed 7)."""
+    rng, texts = random.Random(7), story_prompts(64)
+    return sorted((Arrival(rng.uniform(0, spread_s), texts[i % 64], [], rng.randint(16, 256)) for i in range(n)),
+                  key=lambda a: a.at_s)
+
+
+async def run_vllm(server: VllmServer, work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
+    """``work`` against the peer's OpenAI server, ``concurrency`` at a time: the same figures as
+    ``Served.run``."""
+    gate = asyncio.Semaphore(concurrency)
+    t0 = time.perf_counter()
+
+    async def at(a: Arrival) -> Timing:
+        await asyncio.sleep(max(0.0, a.at_s - (time.perf_counter() - t0)))  # the arrival schedule
+        async with gate:
+            timing, _ = await chat_stream("127.0.0.1", server.port, server.model_name, a.text, a.max_new, TIMEOUT_S)
+        timing.ttft_ms += (time.perf_counter() - t0 - a.at_s) * 1000 - timing.total_ms  # queue at the gate
+        return timing
+
+    timings = await asyncio.gather(*(at(a) for a in work))
+    seconds = time.perf_counter() - t0
+    tokens = sum(t.tokens for t in timings)
+    return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "ttft": percentiles([t.ttft_ms for t in timings]),
+            "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
+            "time_per_token": tpot(timings)}
+
+
+async def answers(served: Served, server: VllmServer) -> dict[str, str]:
+    """Both sides' greedy answer to ``CHECK``; raises unless both name Paris."""
+    request = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_new_tokens=16, temperature=0.0),
+                                          cache=gateway_pb2.CACHE_POLICY_BYPASS)
+    request.chat.messages.add(role="user", content=CHECK)
+    async with aio.insecure_channel(served.suite.config.address("gateway")) as channel:
+        call = gateway_pb2_grpc.GatewayStub(channel).Generate(
+            request, timeout=60, metadata=(("authorization", f"Bearer {served.key}"),))
+        ours = "".join([m.text_delta async for m in call])
+    _, theirs = await chat_stream("127.0.0.1", server.port, server.model_name, CHECK, 16, 60)
+    result = {"aiserve": ours, "vllm": theirs}
+    if not all("paris" in text.lower() for text in result.values()):
+        raise RuntimeError(f"a side answered wrongly: {result}")
+    return result
+
+
+async def aiserve_settings(served: Served) -> dict[str, Any]:
+    """What the inference service says it runs with (its Info and Stats rpcs)."""
+    async with aio.insecure_channel(served.suite.config.address("inference")) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=30)
+        stats = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=30)
+    return {"model": info.model, "device": info.device, "dtype": info.dtype, "max_num_seqs": stats.max_num_seqs,
+            "kv_total_bytes": stats.kv_total_bytes}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    store = ModelStore(model_store_path().resolve())
+    folder, _ = store.load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    vllm = install(PEERS / "vllm")
+    settings = VllmSettings(dtype=args.vllm_dtype, enforce_eager=not args.vllm_compile)
+    stories = [Arrival(0.0, text, [], 64) for text in story_prompts(64)]
+    alone = stories[: args.alone]
+    mixed = mixed_workload(48, 6.0)
+    report: dict[str, Any] = {"machine": machine(), "vllm": settings.describe(), "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory() as home, \
+            VllmServer(vllm, folder, free_port(), settings, RESULTS / "peers-vllm.log") as server:
+        started = time.perf_counter()
+        suite = await start_suite(Path(home), store)
+        try:
+            report["vllm"]["ready_s"] = round(server.wait_ready(600), 1)
+            served = Served(suite, suite.dev_key_path.read_text().strip())
+            report["aiserve"] = {"ready_s": round(time.perf_counter() - started, 1), **await aiserve_settings(served)}
+            report["answers"] = await answers(served, server)
+            await served.run(stories[:4], "gateway")  # warm-up, both sides
+            await run_vllm(server, stories[:4], 4)
+            workloads = {"a_64_concurrent": (stories, 64), "a_16_concurrent": (stories, 16),
+                         "b_alone": (alone, 1), "c_mixed": (mixed, 16)}
+            for name, (work, concurrency) in workloads.items():
+                print(f"{name} ...", flush=True)
+                runs: dict[str, list[dict[str, Any]]] = {"aiserve": [], "vllm": []}
+                for _ in range(args.rounds):
+                    runs["aiserve"].append(await served.run(work, "gateway", concurrency))
+                    runs["vllm"].append(await run_vllm(server, work, concurrency))
+                result = {side: median_run(samples) for side, samples in runs.items()}
+                result["ratio"] = round(result["aiserve"]["tokens_per_s"] / result["vllm"]["tokens_per_s"], 3)
+                report[name] = result
+        finally:
+            suite.stop()
+    return report
+
+
+WORKLOADS = (("a_64_concurrent", "64 concurrent"), ("a_16_concurrent", "16 concurrent"), ("b_alone", "alone"),
+             ("c_mixed", "mixed"))
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [label for key, label in WORKLOADS if key in report]
+    keys = [key for key, _ in WORKLOADS if key in report]
+    for offset, side in ((-0.2, "aiserve"), (0.2, "vllm")):
+        xs = [i + offset for i in range(len(keys))]
+        left.bar(xs, [report[k][side]["tokens_per_s"] for k in keys], width=0.4, label=side)
+        right.bar(xs, [report[k][side]["ttft"]["p50_ms"] / 1000 for k in keys], width=0.4, label=side)
+    for axis, title in ((left, "tokens/s (median of rounds)"), (right, "TTFT p50 (s)")):
+        axis.set_xticks(range(len(keys)), names)
+        axis.set_title(title)
+        axis.legend()
+    m = report["machine"]
+    fig.suptitle(f"aiserve (gateway) vs vLLM CPU {report['vllm']['dtype']}: {m['cpu']}, {m['cores']} cores, "
+                 f"{' '.join(m['cpu_flags'])}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each side per workload, in turn; medians")
+    parser.add_argument("--alone", type=int, default=3, help="requests timed one at a time in (b)")
+    parser.add_argument("--vllm-dtype", default="float32", help="float32 or bfloat16 (bf16 needs bf16 units)")
+    parser.add_argument("--vllm-compile", action="store_true", help="let vLLM use torch.compile (default eager)")
+    args = parser.parse_args(argv)
+    report = run_and_write("peers", bench, args, plot)
+    summary = {k: {"aiserve": round(v["aiserve"]["tokens_per_s"], 1), "vllm": round(v["vllm"]["tokens_per_s"], 1),
+                   "ratio": v["ratio"]} for k, v in report.items() if isinstance(v, dict) and "ratio" in v}
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
