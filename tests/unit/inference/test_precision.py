@@ -1,13 +1,16 @@
-"""Precision chosen by the machine (CPU flags injected)."""
+"""Precision chosen by the machine (CPU flags injected) and the KV cache sized in sequences."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from aiserve.common.config import ConfigError, config_with, load_config
 from services.inference.config import InferenceConfig
+from services.inference.engine_config import KVCacheConfig
+from services.inference.kv_cache import KVLayout, KVPlan
 from services.inference.precision import CPU_KINDS, POLICY, choose_precision, machine_kind, read_cpu_flags
 
 # The flags that matter, as /proc/cpuinfo lists them on each machine (plus a few that do not).
@@ -16,6 +19,7 @@ AMX_XEON = frozenset("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_bf16 avx51
 AVX512_BF16_EPYC = frozenset("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni".split())
 AVX512_XEON = frozenset("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_vnni".split())
 AVX2_EPYC = frozenset("fpu sse4_2 avx avx2 fma sha_ni".split())
+SMOLLM = dict(num_layers=30, num_kv_heads=3, head_dim=64)  # the default model's K/V shape
 
 
 @pytest.mark.parametrize(("flags", "kind", "matmul", "used"), [
@@ -79,18 +83,59 @@ def test_this_machines_flags_give_a_known_kind() -> None:
     assert machine_kind("cpu", read_cpu_flags()) in POLICY
 
 
-def test_auto_is_the_default_and_valid() -> None:
+def plan(dtype: torch.dtype, config: KVCacheConfig | None = None, max_num_seqs: int = 64,
+         context_len: int = 8192) -> KVPlan:
+    return KVPlan.fit(config or KVCacheConfig(), KVLayout(dtype=dtype, **SMOLLM), max_num_seqs, context_len)
+
+
+def total_bytes(p: KVPlan, dtype: torch.dtype) -> int:
+    per_token = KVLayout(dtype=dtype, **SMOLLM).bytes_per_token
+    return (p.num_slots * p.slot_len + p.num_blocks * p.block_size) * per_token
+
+
+def test_by_default_float32_holds_as_many_sequences_as_bf16() -> None:
+    bf16, fp32 = plan(torch.bfloat16), plan(torch.float32)
+    assert (bf16.num_slots, bf16.slot_len) == (fp32.num_slots, fp32.slot_len) == (64, 2048)
+    assert bf16.num_blocks == fp32.num_blocks  # the same prefix tokens too, in twice the bytes
+    assert total_bytes(fp32, torch.float32) == 2 * total_bytes(bf16, torch.bfloat16)
+    slots = 64 * 2048 * 23_040  # the default model's bf16 slots: 2.81 GiB
+    assert slots < total_bytes(bf16, torch.bfloat16) <= slots / 0.95  # + the prefix store's 5% of the whole
+    assert total_bytes(bf16, torch.bfloat16) > slots / 0.95 - 16 * 23_040  # less than one block short
+
+
+def test_sized_from_sequences_follows_max_num_seqs_and_the_context() -> None:
+    p = plan(torch.float32, KVCacheConfig(max_seq_len=4096, prefix_cache_fraction=0.0), max_num_seqs=3,
+             context_len=1024)
+    assert (p.num_slots, p.slot_len, p.num_blocks) == (3, 1024, 0)  # max_seq_len capped by the context
+
+
+def test_an_explicit_byte_budget_wins() -> None:
+    config = KVCacheConfig(kv_cache_bytes=3 << 30)  # the budget that used to be the default
+    bf16, fp32 = plan(torch.bfloat16, config), plan(torch.float32, config)
+    assert (bf16.num_slots, fp32.num_slots) == (64, 32)  # float32 gets half the sequences
+    assert total_bytes(bf16, torch.bfloat16) <= 3 << 30 and total_bytes(fp32, torch.float32) <= 3 << 30
+
+
+def test_a_cache_sized_over_a_tebibyte_is_refused() -> None:
+    with pytest.raises(ValueError, match="^max_num_seqs: 4096 slots .* over 1 TiB"):
+        plan(torch.float32, KVCacheConfig(max_seq_len=1 << 20), max_num_seqs=4096, context_len=1 << 20)
+
+
+def test_auto_and_sized_from_sequences_are_the_defaults_and_valid() -> None:
     config = config_with(InferenceConfig)
-    assert (config.dtype, config.matmul_dtype) == ("auto", "auto")
-    environ = {"AISERVE_INFERENCE_DTYPE": "float32", "AISERVE_INFERENCE_MATMUL_DTYPE": "auto"}
+    assert (config.dtype, config.matmul_dtype, config.engine.kv_cache.kv_cache_bytes) == ("auto", "auto", 0)
+    environ = {"AISERVE_INFERENCE_DTYPE": "float32", "AISERVE_INFERENCE_MATMUL_DTYPE": "auto",
+               "AISERVE_INFERENCE_KV_CACHE_BYTES": str(1 << 30)}
     loaded = load_config(InferenceConfig, "inference", environ=environ)
-    assert (loaded.dtype, loaded.matmul_dtype) == ("float32", "auto")
+    assert (loaded.dtype, loaded.matmul_dtype, loaded.engine.kv_cache.kv_cache_bytes) == ("float32", "auto", 1 << 30)
 
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("dtype", "Auto", r"^dtype: must be one of auto\|bfloat16\|float32\|float16, got 'Auto'"),
     ("matmul_dtype", "int8", r"^matmul_dtype: must be one of auto\|bfloat16"),
+    ("kv_cache_bytes", -1, r"^kv_cache_bytes: must be 0 \(sized from sequences\) or 1 MiB\.\.1 TiB, got -1"),
+    ("kv_cache_bytes", (1 << 40) + 1, r"^kv_cache_bytes: must be 0"),
 ])
-def test_bad_precision_values_name_the_setting(name: str, value: object, message: str) -> None:
+def test_bad_precision_and_budget_values_name_the_setting(name: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config_with(InferenceConfig, **{name: value})
