@@ -43,8 +43,8 @@ class Rule:
 _EMULATED = "no bf16 instructions: bf16 products are emulated (4-6x slower at 64 rows), so float32 copies"
 POLICY: dict[str, Rule] = {
     "cuda": Rule("bfloat16", False, "bf16 tensor cores; half the bytes of float32 read per token"),
-    "amx": Rule("bfloat16", False, "AMX bf16 tiles: oneDNN-packed bf16 products, half the bytes read"),
-    "avx512_bf16": Rule("bfloat16", False, "avx512_bf16 dot products: oneDNN-packed bf16 products"),
+    "amx": Rule("bfloat16", False, "bf16 tile instructions: oneDNN-packed bf16 products, half the bytes read"),
+    "avx512_bf16": Rule("bfloat16", False, "bf16 dot-product instructions: oneDNN-packed bf16 products"),
     "avx512": Rule("bfloat16", True, _EMULATED),
     "avx2": Rule("bfloat16", True, _EMULATED),
     "other": Rule("bfloat16", True, _EMULATED),
