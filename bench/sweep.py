@@ -20,12 +20,11 @@ from services.inference.torch_thread import run_in_fresh_thread
 
 def sweep_settings(size: int) -> dict[str, Any]:
     """The inference settings of the sweep's engine at ``max_num_seqs = size``, by their flat
-    names (``AISERVE_INFERENCE_<NAME>``): a KV budget of ``size`` slots of 256 tokens of the
-    default model (23,040 bytes per bf16 token) plus 64 MiB, no prefix store, a queue that
-    takes every request at once, and the service's defaults for everything else."""
+    names (``AISERVE_INFERENCE_<NAME>``): bf16, a KV cache of ``size`` slots of 256 tokens (sized
+    from the sequences, the default), no prefix store, a queue that takes every request at once,
+    and the service's defaults for everything else."""
     return {"dtype": "bfloat16", "max_num_seqs": size, "max_num_batched_tokens": max(512, size),
-            "max_queue": 4096, "kv_cache_bytes": size * 256 * 23040 + (64 << 20), "max_seq_len": 256,
-            "prefix_cache_fraction": 0.0}
+            "max_queue": 4096, "max_seq_len": 256, "prefix_cache_fraction": 0.0}
 
 
 def sweep_engine(folder: Path, size: int) -> BatchEngine:

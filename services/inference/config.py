@@ -11,9 +11,9 @@ from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, is_model_ref
 from services.inference.engine_config import EngineConfig
 from services.inference.health import HealthConfig
+from services.inference.precision import AUTO, DTYPES
 
-DTYPES = ("bfloat16", "float32", "float16")
-MATMUL_DTYPES = ("auto", *DTYPES)
+SETTING_DTYPES = (AUTO, *DTYPES)
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -31,13 +31,15 @@ class InferenceConfig(ServiceConfig):
     """Model store folder; "" = ``AISERVE_MODEL_STORE`` or ``$AISERVE_HOME/models``."""
     device: str = "cpu"
     """Torch device: "cpu", "cuda" or "cuda:N"."""
-    dtype: str = "bfloat16"
-    """Weight and activation dtype: "bfloat16", "float32" or "float16"."""
+    dtype: str = AUTO
+    """Weight, activation and KV cache dtype: "auto" = chosen by the machine (bfloat16 on CUDA and
+    on CPUs today: services/inference/precision.py), or "bfloat16", "float32", "float16"."""
     torch_threads: int = 0
     """Torch intra-op threads; 0 leaves torch's default (the suite runner sets it)."""
-    matmul_dtype: str = "auto"
-    """Dtype of the large matrix products: "auto" = float32 on a CPU without bf16 instructions
-    for a 16-bit model (bf16 GEMMs are emulated there), else ``dtype``; or a dtype name."""
+    matmul_dtype: str = AUTO
+    """Dtype of the large matrix products: "auto" = chosen by the machine (float32 copies for a
+    16-bit model on a CPU without bf16 instructions, where bf16 GEMMs are emulated; else the
+    weights' dtype: services/inference/precision.py), or a dtype name, which wins."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings (scheduler, KV cache, limits), given by their own flat names:
     ``max_num_seqs``, ``kv_cache_bytes``, ... (services/inference/engine_config.py)."""
@@ -51,11 +53,12 @@ class InferenceConfig(ServiceConfig):
         require(is_model_ref(self.model), f"model: must be 'name@version', got {self.model!r}")
         require(bool(_DEVICE_RE.fullmatch(self.device)),
                 f"device: must be cpu, cuda or cuda:N, got {self.device!r}")
-        require(self.dtype in DTYPES, f"dtype: must be one of {'|'.join(DTYPES)}, got {self.dtype!r}")
+        require(self.dtype in SETTING_DTYPES,
+                f"dtype: must be one of {'|'.join(SETTING_DTYPES)}, got {self.dtype!r}")
         require(0 <= self.torch_threads <= 1024,
                 f"torch_threads: must be 0..1024 (0 = torch default), got {self.torch_threads}")
-        require(self.matmul_dtype in MATMUL_DTYPES,
-                f"matmul_dtype: must be one of {'|'.join(MATMUL_DTYPES)}, got {self.matmul_dtype!r}")
+        require(self.matmul_dtype in SETTING_DTYPES,
+                f"matmul_dtype: must be one of {'|'.join(SETTING_DTYPES)}, got {self.matmul_dtype!r}")
         self.engine.validate()
         self.health.validate()
 

@@ -1,5 +1,5 @@
-"""CPU matmul kernels for the forward: which dtype the large products run in, and oneDNN-packed
-bf16 weights with the row-count buckets their kernels are built for.
+"""CPU matmul kernels for the forward: oneDNN-packed bf16 weights and the row-count buckets their
+kernels are built for (which dtype the products run in is chosen in precision.py).
 
 ``F.linear`` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every
 call; a weight packed once at load runs the same kernel without that (docs/engine.md, "Packed
@@ -10,27 +10,14 @@ product equals ``F.linear`` bit for bit.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-_CPU_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _PACK_BATCH_HINT = 64  # oneDNN's layout hint; any row count runs on the packed weight
 # Larger steps (a budget above this) build their few kernels when they first run: warming them
 # would run products of gigabytes at start for a budget that is rarely used in full.
 PREPARE_MAX_ROWS = 4096
-
-
-def default_matmul_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
-    """``dtype``, except float32 for 16-bit dtypes on a CPU without bf16 instructions."""
-    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
-        return dtype
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return dtype
-    return dtype if any(f in flags for f in _CPU_BF16_FLAGS) else torch.float32
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor | None:

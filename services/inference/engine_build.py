@@ -10,14 +10,20 @@ from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
+from services.inference.precision import Precision, choose_precision, read_cpu_flags
 
 
-def build_engine(config: InferenceConfig, folder: Path) -> BatchEngine:
-    """Load the (verified) model folder and build the engine the settings describe (unstarted).
+def machine_precision(config: InferenceConfig) -> Precision:
+    """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo)."""
+    return choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+
+
+def build_engine(config: InferenceConfig, folder: Path, precision: Precision | None = None) -> BatchEngine:
+    """Load the (verified) model folder and build the engine the settings describe (unstarted),
+    in ``precision`` (None = ``machine_precision(config)``).
 
     Loads and allocates on the calling thread; the service calls it on a thread that then exits
     (torch_thread.py)."""
-    dtype = TORCH_DTYPES[config.dtype]
-    matmul = None if config.matmul_dtype == "auto" else TORCH_DTYPES[config.matmul_dtype]
-    model = LlamaModel.load(folder, config.device, dtype, matmul)
+    precision = precision or machine_precision(config)
+    model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul])
     return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)

@@ -57,25 +57,29 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
-    """How much memory the KV cache takes and how it is split."""
+    """How much memory the KV cache takes (by default: what max_num_seqs sequences need) and how
+    it is split."""
 
-    kv_cache_bytes: int = 3 << 30
-    """Bytes of the KV cache (slots + prefix store), allocated once at start. 3 GiB holds 64
-    bf16 slots of 2048 tokens for the default model (32 in float32); fewer slots than
-    max_num_seqs caps the batch at the slots (logged at start). 1 MiB..1 TiB."""
+    kv_cache_bytes: int = 0
+    """Bytes of the KV cache (slots + prefix store), allocated once at start. 0 = sized from
+    sequences: max_num_seqs slots of max_seq_len tokens (capped by the model's context) in the KV
+    dtype, plus the prefix store's share, so float32 holds as many sequences as bf16 (the
+    defaults: ~2.96 GiB in bf16 for the default model, twice that in float32). A non-zero
+    budget wins: as many slots as it holds, at most max_num_seqs (fewer caps the batch; logged
+    at start). 0, or 1 MiB..1 TiB."""
     max_seq_len: int = 2048
     """Tokens of prompt + output one sequence may hold (one KV slot); capped by the model's
     context length. Longer requests are refused; shorter slots mean more of them in the same
     budget. Info reports min(model context, max_seq_len). 16..1048576."""
     prefix_cache_fraction: float = 0.05
-    """Share of kv_cache_bytes kept for reusable prompt prefixes; 0 disables prefix caching. 0..0.9."""
+    """Share of the KV cache kept for reusable prompt prefixes; 0 disables prefix caching. 0..0.9."""
     prefix_block_size: int = 16
     """Tokens per prefix block; prefixes are matched in whole blocks. 1..1024."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
-        require(1 << 20 <= self.kv_cache_bytes <= 1 << 40,
-                f"kv_cache_bytes: must be 1 MiB..1 TiB, got {self.kv_cache_bytes}")
+        require(self.kv_cache_bytes == 0 or 1 << 20 <= self.kv_cache_bytes <= 1 << 40,
+                f"kv_cache_bytes: must be 0 (sized from sequences) or 1 MiB..1 TiB, got {self.kv_cache_bytes}")
         require(16 <= self.max_seq_len <= 1 << 20,
                 f"max_seq_len: must be 16..1048576, got {self.max_seq_len}")
         require(0.0 <= self.prefix_cache_fraction <= 0.9,

@@ -1,7 +1,10 @@
 """The KV cache: preallocated K/V tensors for the running batch plus a prefix block store.
 
-Memory is fixed at start from a byte budget, so the engine can never run out of it mid-step:
-the scheduler admits a request only into a free slot and otherwise keeps it waiting.
+Memory is fixed at start, so the engine can never run out of it mid-step: the scheduler admits
+a request only into a free slot and otherwise keeps it waiting. By default the cache is sized
+from sequences (``max_num_seqs`` slots of ``max_seq_len`` tokens in the KV dtype, plus the
+prefix store's share), so a float32 cache holds as many sequences as a bf16 one; an explicit
+``kv_cache_bytes`` budget instead holds as many slots as fit.
 
 - Slots ``k, v: [layers, slots, kv_heads, slot_len, head_dim]``: one sequence per slot. The
   running batch is kept in slots ``[0, n)`` (the scheduler moves the last slot into a hole
@@ -22,6 +25,8 @@ from services.inference.engine_config import KVCacheConfig
 from services.inference.prefix_index import BlockCopy
 from services.inference.slot_table import SlotMove
 
+_MAX_SIZED_BYTES = 1 << 40  # a cache sized from sequences obeys kv_cache_bytes' own limit
+
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
@@ -41,7 +46,7 @@ class KVLayout:
 
 @dataclass(frozen=True, slots=True)
 class KVPlan:
-    """Sizes that fit a config into its byte budget."""
+    """Sizes that fit a config into its budget."""
 
     num_slots: int
     slot_len: int
@@ -51,22 +56,29 @@ class KVPlan:
     @classmethod
     def fit(cls, config: KVCacheConfig, layout: KVLayout, max_num_seqs: int,
             context_len: int) -> KVPlan:
-        """As many slots as the budget allows (at most ``max_num_seqs``); the prefix store gets
+        """The cache's sizes. By default (``kv_cache_bytes`` 0) ``max_num_seqs`` slots, whatever
+        the dtype, and a prefix store of ``prefix_cache_fraction`` of the whole. With a byte
+        budget: as many slots as it allows (at most ``max_num_seqs``), and the prefix store gets
         its share plus whatever the slots leave unused."""
         config.validate()
         slot_len = min(config.max_seq_len, context_len)
         per_token = layout.bytes_per_token
-        prefix_bytes = int(config.kv_cache_bytes * config.prefix_cache_fraction)
-        num_slots = min(max_num_seqs, (config.kv_cache_bytes - prefix_bytes) // (slot_len * per_token))
-        if num_slots < 1:
-            need = slot_len * per_token + prefix_bytes
-            raise ValueError(f"kv_cache_bytes: {config.kv_cache_bytes} holds no slot of "
-                             f"max_seq_len {slot_len}; need >= {need}")
-        block_bytes = config.prefix_block_size * per_token
-        num_blocks = 0
-        if config.prefix_cache_fraction > 0:
-            num_blocks = (config.kv_cache_bytes - num_slots * slot_len * per_token) // block_bytes
-        return cls(num_slots, slot_len, int(num_blocks), config.prefix_block_size)
+        slot_bytes = slot_len * per_token
+        fraction = config.prefix_cache_fraction
+        if config.kv_cache_bytes:
+            budget = config.kv_cache_bytes
+            num_slots = min(max_num_seqs, (budget - int(budget * fraction)) // slot_bytes)
+            if num_slots < 1:
+                need = slot_bytes + int(budget * fraction)
+                raise ValueError(f"kv_cache_bytes: {budget} holds no slot of max_seq_len {slot_len}; need >= {need}")
+        else:
+            num_slots = max_num_seqs
+            budget = num_slots * slot_bytes + int(num_slots * slot_bytes * fraction / (1 - fraction))
+            if budget > _MAX_SIZED_BYTES:
+                raise ValueError(f"max_num_seqs: {max_num_seqs} slots of max_seq_len {slot_len} need {budget} "
+                                 f"bytes of KV cache, over 1 TiB; lower them or set kv_cache_bytes")
+        num_blocks = (budget - num_slots * slot_bytes) // (config.prefix_block_size * per_token) if fraction else 0
+        return cls(num_slots, slot_len, num_blocks, config.prefix_block_size)
 
 
 class KVCache:

@@ -18,7 +18,8 @@ and its activations stay bf16, so the products are those of a bf16 GEMM with flo
 accumulation; the copy is used once a product has enough rows.
 
 The architecture facts are ``llama_config.py``, the weights ``llama_weights.py``, the CPU
-kernels (packed bf16 weights, the default matmul dtype) ``cpu_kernels.py``.
+kernels (packed bf16 weights) ``cpu_kernels.py``; which matmul dtype a machine gets,
+``precision.py``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from aiserve.model_facts import CONFIG_FILE
-from services.inference.cpu_kernels import build_kernels, default_matmul_dtype
+from services.inference.cpu_kernels import build_kernels
 from services.inference.llama_config import LlamaConfig, rope_tables
 from services.inference.llama_weights import build_weights, read_tensors
 
@@ -125,13 +126,12 @@ class LlamaModel:
     def load(cls, folder: Path, device: torch.device | str, dtype: torch.dtype,
              matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
-        ``matmul_dtype`` None = ``default_matmul_dtype(device, dtype)``; ``pack_weights``: keep
+        ``matmul_dtype`` None = ``dtype`` (the service passes precision.py's choice); ``pack_weights``: keep
         oneDNN-packed copies of the matmul weights where ``pack_weight`` allows."""
         config = LlamaConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
         tensors = read_tensors(folder)
         device = torch.device(device)
-        return cls(config, tensors, device, dtype, matmul_dtype or default_matmul_dtype(device, dtype),
-                   pack_weights)
+        return cls(config, tensors, device, dtype, matmul_dtype, pack_weights)
 
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Write the step's K/V into the cache and return logits [R, V] of ``batch.logits_rows``.

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from aiserve.store import ModelRef
+from services.inference.precision import Precision
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -22,7 +23,8 @@ class ModelInfo:
     ref: ModelRef
     tokenizer_sha256: str
     device: str
-    dtype: str
+    precision: Precision
+    """The dtypes it runs in (``precision.weights`` is Info's ``dtype``) and why."""
     context_length: int
     """Tokens of prompt + output this engine accepts: min(model context, max_seq_len)."""
     vocab_size: int

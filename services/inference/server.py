@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import torch
 from grpc import aio
+from prometheus_client import Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from prometheus_client.registry import Collector, CollectorRegistry
 
 from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
@@ -22,13 +23,14 @@ from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc, status_pb2
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
-from services.inference.engine_build import build_engine
+from services.inference.engine_build import build_engine, machine_precision
 from services.inference.engine_stats import EngineStats
 from services.inference.generate_mux_server import MuxCall
 from services.inference.health import InferenceHealth, free_memory_bytes
 from services.inference.health_probe import device_free_bytes
 from services.inference.messages import from_pb, to_pb
 from services.inference.model import ModelInfo
+from services.inference.precision import Precision
 from services.inference.request import GenerateRequest
 from services.inference.torch_thread import in_fresh_thread
 
@@ -68,7 +70,20 @@ class EngineCollector(Collector):
                                   value=s.num_accepted_draft_tokens)
 
 
-def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.InferenceStats:
+def precision_to_pb(p: Precision) -> inference_pb2.InferencePrecision:
+    """domain -> pb for Info and Stats."""
+    return inference_pb2.InferencePrecision(weights_dtype=p.weights, matmul_dtype=p.matmul, kv_dtype=p.kv,
+                                            cpu_kind=p.cpu, cpu_flags=p.cpu_flags, reason=p.reason)
+
+
+def export_precision(p: Precision, registry: CollectorRegistry) -> None:
+    """``aiserve_inference_precision{weights,matmul,kv,cpu} 1``: the dtypes, as an info-style gauge."""
+    gauge = Gauge("aiserve_inference_precision", "1, labelled with the dtypes the model runs in and the machine kind",
+                  ["weights", "matmul", "kv", "cpu"], registry=registry)
+    gauge.labels(weights=p.weights, matmul=p.matmul, kv=p.kv, cpu=p.cpu).set(1)
+
+
+def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int, precision: Precision) -> inference_pb2.InferenceStats:
     """domain -> pb for the Stats RPC (``rss``: this process's resident bytes)."""
     return inference_pb2.InferenceStats(
         num_running=s.num_running, num_waiting=s.num_waiting, kv_total_bytes=s.kv_total_bytes,
@@ -78,6 +93,7 @@ def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int) -> inference_pb2.In
         num_steps=s.num_steps, num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
         max_num_seqs=max_num_seqs, num_draft_tokens=s.num_draft_tokens,
         num_accepted_draft_tokens=s.num_accepted_draft_tokens, num_requests=s.num_requests,
+        precision=precision_to_pb(precision),
     )
 
 
@@ -133,12 +149,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def Info(  # noqa: N802 - gRPC method name
         self, request: inference_pb2.InferenceInfoRequest, context: aio.ServicerContext
     ) -> inference_pb2.InferenceInfo:
-        """What is loaded: model, tokenizer fingerprint, device, dtype, context and vocab sizes."""
+        """What is loaded: model, tokenizer fingerprint, device, precision, context and vocab sizes."""
         m = self.model
         return inference_pb2.InferenceInfo(
             model=str(m.ref), tokenizer_sha256=m.tokenizer_sha256, device=m.device,
-            dtype=m.dtype, context_length=m.context_length, vocab_size=m.vocab_size,
-            eos_token_ids=sorted(m.eos_token_ids),
+            dtype=m.precision.weights, context_length=m.context_length, vocab_size=m.vocab_size,
+            eos_token_ids=sorted(m.eos_token_ids), precision=precision_to_pb(m.precision),
         )
 
     async def Stats(  # noqa: N802 - gRPC method name
@@ -147,7 +163,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         """A snapshot of the engine (batch, queue, KV, prefix reuse, totals); no model work."""
         s = self.engine.stats()
         s = dataclasses.replace(s, num_requests=s.num_requests - self._requests_before)
-        return stats_to_pb(s, self.engine.scheduler.capacity, rss_bytes())
+        return stats_to_pb(s, self.engine.scheduler.capacity, rss_bytes(), self.model.precision)
 
     def figures(self) -> status_pb2.ServiceStatus:
         """This service's part of its Status rpc: the model, the queue, the batch, the KV cache."""
@@ -169,10 +185,13 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     """Verify and load the model, start and warm up the engine, and build the (unstarted)
     server. ModelStoreError propagates (missing or tampered model)."""
     folder, manifest = ModelStore(config.model_store_path()).load_path(ModelRef.parse(config.model))
+    precision = machine_precision(config)
+    log.info("precision_chosen", cpu=precision.cpu, cpu_flags=list(precision.cpu_flags), weights=precision.weights,
+             matmul=precision.matmul, kv=precision.kv, reason=precision.reason)
     # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
-    engine = await in_fresh_thread(lambda: build_engine(config, folder), name="model-load")
+    engine = await in_fresh_thread(lambda: build_engine(config, folder, precision), name="model-load")
     c = engine.model.config
-    model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), config.dtype,
+    model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), precision,
                       engine.scheduler.slot_len, c.vocab_size, engine.eos_ids)
     engine.start()
     try:
@@ -188,6 +207,7 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     handle.on_stopping.append(servicer.stop_muxes)
     handle.on_close.append(engine.stop)
     handle.registry.register(EngineCollector(engine))
+    export_precision(precision, handle.registry)
     health = InferenceHealth(config.health, engine.probe,
                              lambda: free_memory_bytes(lambda: device_free_bytes(engine.model.device)),
                              engine.step_errors(), handle.set_serving, handle.registry)
@@ -196,11 +216,12 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
         log.warning("kv_cache_caps_batch", max_num_seqs=config.engine.scheduler.max_num_seqs,
                     kv_slots=engine.scheduler.capacity, kv_cache_bytes=config.engine.kv_cache.kv_cache_bytes,
                     max_seq_len=engine.scheduler.slot_len)
-    log.info("model_loaded", model=str(model.ref), device=model.device, dtype=model.dtype,
-             matmul_dtype=str(engine.model.matmul_dtype).removeprefix("torch."),
-             packed_weights=engine.model.packed_weights,
+    plan = engine.cache.plan
+    log.info("model_loaded", model=str(model.ref), device=model.device, dtype=precision.weights,
+             matmul_dtype=precision.matmul, packed_weights=engine.model.packed_weights,
              max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,
-             kv_cache_bytes=engine.cache.total_bytes)
+             kv_cache_bytes=engine.cache.total_bytes, kv_slots=plan.num_slots, kv_prefix_blocks=plan.num_blocks,
+             kv_sized_from="kv_cache_bytes" if config.engine.kv_cache.kv_cache_bytes else "max_num_seqs")
     return handle
 
 

@@ -121,3 +121,18 @@ async def test_cancelling_a_stream_frees_its_kv_while_the_batch_runs_on(suite: S
         finally:
             kept.cancel()
             dropped.cancel()
+
+
+async def test_the_kv_cache_is_sized_from_the_batch_in_the_chosen_precision(suite: Suite) -> None:
+    """The suite sets dtype=float32 and max_num_seqs, not kv_cache_bytes: the cache holds every
+    sequence in float32 (not half of them, as a byte budget chosen for bf16 would), plus the
+    5% prefix store, and Info and Stats say which precision."""
+    async with aio.insecure_channel(suite.config.address("inference")) as channel:
+        stub = inference_pb2_grpc.InferenceStub(channel)
+        info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=RPC_S)
+        s = await stats(stub)
+    assert (info.dtype, info.precision.weights_dtype, info.precision.kv_dtype) == ("float32",) * 3
+    assert s.precision == info.precision and info.precision.cpu_kind and info.precision.reason
+    assert s.max_num_seqs == SUITE_MAX_NUM_SEQS
+    slots = SUITE_MAX_NUM_SEQS * slot_bytes(suite, info)
+    assert slots < s.kv_total_bytes <= slots / 0.95

@@ -1,4 +1,4 @@
-"""The CPU kernel helpers: the default matmul dtype, row buckets and packed bf16 weights."""
+"""The CPU kernel helpers: row buckets and packed bf16 weights."""
 
 from __future__ import annotations
 
@@ -10,20 +10,11 @@ from services.inference.cpu_kernels import (
     PREPARE_MAX_ROWS,
     bucket_rows,
     build_kernels,
-    default_matmul_dtype,
     kernel_buckets,
     pack_weight,
     packed_linear,
     packing_is_exact,
 )
-
-CPU = torch.device("cpu")
-
-
-def test_matmul_dtype_defaults() -> None:
-    assert default_matmul_dtype(CPU, torch.float32) == torch.float32
-    assert default_matmul_dtype(torch.device("cuda"), torch.bfloat16) == torch.bfloat16
-    assert default_matmul_dtype(CPU, torch.bfloat16) in (torch.bfloat16, torch.float32)
 
 
 def test_bucketed_row_counts_are_few_and_waste_at_most_a_quarter() -> None:

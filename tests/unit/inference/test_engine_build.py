@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from aiserve.common.config import load_config
+from aiserve.common.config import config_with, load_config
 from bench.sweep import sweep_engine, sweep_settings
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
-from services.inference.engine_build import build_engine
+from services.inference.engine_build import build_engine, machine_precision
 
-SIZE = 1  # the sweep's smallest point: its KV budget is ~73 MB
+SIZE = 1  # the sweep's smallest point: its KV cache is one slot of 256 bf16 tokens, ~5.9 MB
 
 
 def service_engine(folder: Path, settings: dict[str, object]) -> BatchEngine:
@@ -48,8 +48,12 @@ def test_the_sweep_settings_take_effect(engines: tuple[BatchEngine, BatchEngine]
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.max_queue) == (
         settings["max_num_seqs"], settings["max_num_batched_tokens"], settings["max_queue"])
     assert (kv.kv_cache_bytes, kv.max_seq_len, kv.prefix_cache_fraction) == (
-        settings["kv_cache_bytes"], settings["max_seq_len"], settings["prefix_cache_fraction"])
+        0, settings["max_seq_len"], settings["prefix_cache_fraction"])  # sized from the sequences
     assert str(service.model.dtype) == "torch." + str(settings["dtype"])
+    # matmul_dtype "auto": the machine's choice (float32 copies where bf16 products are emulated)
+    chosen = machine_precision(config_with(InferenceConfig, **settings))
+    assert str(service.model.matmul_dtype) == "torch." + chosen.matmul
+    assert service.model.packed_weights == (chosen.matmul == "bfloat16")
     plan = service.cache.plan
     assert (plan.num_slots, plan.slot_len, plan.num_blocks) == (SIZE, 256, 0)
     assert service.scheduler.prefix is None  # no prefix store

@@ -10,8 +10,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from services.inference.cpu_kernels import default_matmul_dtype
 from services.inference.llama import LlamaModel
+from services.inference.model import TORCH_DTYPES
+from services.inference.precision import choose_precision, read_cpu_flags
 from services.inference.runner import BatchRow, build_batch
 
 CPU = torch.device("cpu")
@@ -118,7 +119,7 @@ def hf_bf16(model_dir: Path) -> PreTrainedModel:
 @pytest.mark.parametrize("matmul", ["auto", "bfloat16"])
 def test_bfloat16_logits_match_transformers(model_dir: Path, hf_fp32: PreTrainedModel,
                                             hf_bf16: PreTrainedModel, matmul: str) -> None:
-    matmul_dtype = None if matmul == "auto" else torch.bfloat16
+    matmul_dtype = TORCH_DTYPES[choose_precision("cpu", read_cpu_flags(), "bfloat16", matmul).matmul]
     ours = LlamaModel.load(model_dir, CPU, torch.bfloat16, matmul_dtype)
     prompts, conts = inputs(ours.config.vocab_size, seed=1)
     sequences = [p + c for p, c in zip(prompts, conts, strict=True)]
@@ -241,7 +242,7 @@ def test_unsupported_model_type_is_refused(tmp_path: Path) -> None:
 
 def test_packed_weights_give_the_same_logits(model_dir: Path) -> None:
     """oneDNN-packed bf16 weights change the speed only: logits equal F.linear's bit for bit."""
-    if default_matmul_dtype(CPU, torch.bfloat16) != torch.bfloat16:
+    if choose_precision("cpu", read_cpu_flags(), "auto", "auto").matmul != "bfloat16":
         pytest.skip("this CPU has no bf16 units: bf16 models use float32 copies, which are not packed")
     packed = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16)
     plain = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16, pack_weights=False)

@@ -15,6 +15,7 @@ from aiserve.common.server import ServiceHandle
 from aiserve.store import Manifest, ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
+from services.inference.precision import machine_kind, read_cpu_flags
 from services.inference.server import InferenceServicer, create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -118,6 +119,21 @@ async def test_info_reports_what_is_loaded(channel: aio.Channel, manifest: Manif
     assert (info.device, info.dtype) == ("cpu", "float32")
     # what this engine accepts: min(model context 8192, max_seq_len)
     assert (info.context_length, info.vocab_size, list(info.eos_token_ids)) == (MAX_SEQ_LEN, 49152, [2])
+
+
+async def test_the_precision_is_reported_by_info_stats_and_a_metric(handle: ServiceHandle,
+                                                                     channel: aio.Channel) -> None:
+    """dtype=float32 was set, matmul_dtype left "auto": float32 throughout, on this CPU's kind."""
+    stub = inference_pb2_grpc.InferenceStub(channel)
+    info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=TIMEOUT_S)
+    stats = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=TIMEOUT_S)
+    p, flags = info.precision, read_cpu_flags()
+    assert (p.weights_dtype, p.matmul_dtype, p.kv_dtype) == ("float32", "float32", "float32")
+    assert p.cpu_kind == machine_kind("cpu", flags) and set(p.cpu_flags) <= flags
+    assert p.reason.startswith(p.cpu_kind + ": ") and "dtype=float32 set" in p.reason
+    assert stats.precision == p
+    labels = {"weights": "float32", "matmul": "float32", "kv": "float32", "cpu": p.cpu_kind}
+    assert handle.registry.get_sample_value("aiserve_inference_precision", labels) == 1
 
 
 async def test_another_model_is_not_found(channel: aio.Channel) -> None:

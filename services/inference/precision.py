@@ -1,0 +1,110 @@
+"""Which precision the inference service runs in: chosen by the machine unless a setting says.
+
+``choose_precision`` is the one place the choice is made: a pure function of the device, the
+CPU's flags and the two settings (``dtype``, ``matmul_dtype``: a dtype name or "auto").
+``read_cpu_flags`` reads the flags from /proc/cpuinfo, apart, so tests inject them. "auto"
+follows ``POLICY``, a table by kind of machine (docs/engine.md, "Precision chosen by the
+machine"; decision 51); an explicit setting always wins. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTO = "auto"
+DTYPES = ("bfloat16", "float32", "float16")
+"""The dtype names a setting may give besides "auto" (model.TORCH_DTYPES maps them to torch)."""
+_SIXTEEN_BIT = ("bfloat16", "float16")
+
+CPU_KINDS: tuple[tuple[str, str], ...] = (
+    ("amx", "amx_bf16"),  # Intel Xeon from Sapphire Rapids: bf16 tile products
+    ("avx512_bf16", "avx512_bf16"),  # bf16 dot products: Cooper Lake, AMD Zen 4 and later
+    ("avx512", "avx512f"),
+    ("avx2", "avx2"),
+)
+"""CPU kinds by the flag that makes each, most capable first: a CPU is the first it has the flag
+of ("other" when none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What "auto" means on one kind of machine."""
+
+    weights: str
+    """dtype of the weights, the activations and the KV cache."""
+    wide_matmul: bool
+    """16-bit models run their larger products on float32 copies of the weights."""
+    why: str
+    """The reason, for the start-up log and Info."""
+
+
+_EMULATED = "no bf16 instructions: bf16 products are emulated (4-6x slower at 64 rows), so float32 copies"
+POLICY: dict[str, Rule] = {
+    "cuda": Rule("bfloat16", False, "bf16 tensor cores; half the bytes of float32 read per token"),
+    "amx": Rule("bfloat16", False, "bf16 tile instructions: oneDNN-packed bf16 products, half the bytes read"),
+    "avx512_bf16": Rule("bfloat16", False, "bf16 dot-product instructions: oneDNN-packed bf16 products"),
+    "avx512": Rule("bfloat16", True, _EMULATED),
+    "avx2": Rule("bfloat16", True, _EMULATED),
+    "other": Rule("bfloat16", True, _EMULATED),
+}
+"""The policy of "auto", by machine kind (one row each; measurements refine it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """The dtypes the service runs in, the machine they were chosen for, and why."""
+
+    weights: str
+    """dtype name of the weights and activations ("bfloat16", "float32", "float16")."""
+    matmul: str
+    """dtype name of the larger matrix products (float32: copies of 16-bit weights)."""
+    kv: str
+    """dtype name of the KV cache: the activations' (the forward writes them into it)."""
+    cpu: str
+    """Kind of machine: "cuda", or the CPU's: "amx", "avx512_bf16", "avx512", "avx2", "other"."""
+    cpu_flags: tuple[str, ...]
+    """The flags of ``CPU_KINDS`` this CPU has (none on CUDA: the choice rests on none)."""
+    reason: str
+    """One line: why these dtypes."""
+
+
+def machine_kind(device: str, cpu_flags: Set[str]) -> str:
+    """"cuda" for a CUDA device, else the first of ``CPU_KINDS`` whose flag the CPU has, or "other"."""
+    if device.startswith("cuda"):
+        return "cuda"
+    return next((kind for kind, flag in CPU_KINDS if flag in cpu_flags), "other")
+
+
+def choose_precision(device: str, cpu_flags: Set[str], dtype: str, matmul_dtype: str) -> Precision:
+    """The precision to run in on ``device`` with these CPU flags, given the settings ``dtype``
+    and ``matmul_dtype`` (each a dtype name, which wins, or "auto": ``POLICY``'s row)."""
+    kind = machine_kind(device, cpu_flags)
+    rule = POLICY[kind]
+    weights = rule.weights if dtype == AUTO else dtype
+    if matmul_dtype != AUTO:
+        matmul = matmul_dtype
+    elif rule.wide_matmul and weights in _SIXTEEN_BIT:
+        matmul = "float32"
+    else:
+        matmul = weights
+    explicit = [f"{name}={value}" for name, value in (("dtype", dtype), ("matmul_dtype", matmul_dtype))
+                if value != AUTO]
+    reason = f"{kind}: {rule.why}" + (f" ({', '.join(explicit)} set)" if explicit else "")
+    flags = () if kind == "cuda" else tuple(flag for _, flag in CPU_KINDS if flag in cpu_flags)
+    return Precision(weights, matmul, weights, kind, flags, reason)
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's flags from the first "flags" line of ``cpuinfo`` (empty where there is none,
+    as on ARM, or the file cannot be read)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
