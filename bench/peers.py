@@ -102,8 +102,10 @@ async def aiserve_settings(served: Served) -> dict[str, Any]:
         stub = inference_pb2_grpc.InferenceStub(channel)
         info = await stub.Info(inference_pb2.InferenceInfoRequest(), timeout=30)
         stats = await stub.Stats(inference_pb2.InferenceStatsRequest(), timeout=30)
-    return {"model": info.model, "device": info.device, "dtype": info.dtype, "max_num_seqs": stats.max_num_seqs,
-            "kv_total_bytes": stats.kv_total_bytes}
+    p = info.precision
+    return {"model": info.model, "device": info.device, "weights": p.weights_dtype, "matmul": p.matmul_dtype,
+            "kv": p.kv_dtype, "cpu_kind": p.cpu_kind, "precision_reason": p.reason,
+            "max_num_seqs": stats.max_num_seqs, "kv_total_bytes": stats.kv_total_bytes}
 
 
 def free_port() -> int:
