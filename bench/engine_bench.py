@@ -1,5 +1,6 @@
 """Engine benchmark: continuous batching against Hugging Face `generate`,
-measured in the same run on the same machine, bf16, greedy.
+measured in the same run on the same machine, greedy; the engine in the precision "auto" picks
+for this CPU, Hugging Face in the dtype it runs fastest in here (``--hf-dtype``).
 
     .venv/bin/python -m bench.engine_bench [--sweep 1 4 8 16 32 64] [--mixed 48]
 
@@ -34,11 +35,12 @@ from aiserve.common.paths import model_store_path
 from aiserve.model_facts import read_model_facts
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.engine_report import add_ratios, plot
-from bench.hf_baseline import HF, hf_sequential, hf_static, hf_static_mixed
+from bench.hf_baseline import HF, best_dtype, hf_sequential, hf_static, hf_static_mixed
 from bench.measure import machine, median_run, run_and_write
 from bench.served import Served, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
 from bench.workload import Arrival, chat_ids, prompts
+from services.inference.model import TORCH_DTYPES
 
 
 async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -65,17 +67,17 @@ async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argpars
     return a, b
 
 
-async def run_c(served: Served, hf: HF | None, mixed: Sequence[Arrival], args: argparse.Namespace
+async def run_c(served: Served, hf: HF | None, mixed: Sequence[Arrival], concurrency: int, rounds: int
                 ) -> dict[str, Any]:
     """(c) the mixed workload in rounds too (one run is ~20 s, and the VM's speed drifts by more
     than 5%): static HF batches (unless ``hf`` is None), through the gateway, direct."""
     runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "gateway": [], "direct": []} if hf else \
         {"gateway": [], "direct": []}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         if hf is not None:
-            runs["hf_static"].append(hf_static_mixed(hf, mixed, args.concurrency))
-        runs["gateway"].append(await served.run(mixed, "gateway", args.concurrency))
-        runs["direct"].append(await served.run(mixed, "inference", args.concurrency))
+            runs["hf_static"].append(hf_static_mixed(hf, mixed, concurrency))
+        runs["gateway"].append(await served.run(mixed, "gateway", concurrency))
+        runs["direct"].append(await served.run(mixed, "inference", concurrency))
     return {name: median_run(samples) for name, samples in runs.items()}
 
 
@@ -88,13 +90,14 @@ async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], m
         suite = await start_suite(Path(home), store)
         try:
             served = Served(suite, suite.dev_key_path.read_text().strip())
-            hf = HF(folder, eos)
+            hf = HF(folder, eos, TORCH_DTYPES[args.hf_dtype])
             hf.generate([full[0].prompt_ids], 4)  # warm-up
             await served.run(full[:2], "inference")
             await served.run(full[:2], "gateway")
             a, b = await run_a_b(served, hf, full, args)
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
-                 **await run_c(served, hf, mixed, args), "speculation": await speculation_stats(suite)}
+                 **await run_c(served, hf, mixed, args.concurrency, args.rounds),
+                 "speculation": await speculation_stats(suite)}
             del hf
         finally:
             suite.stop()
@@ -109,7 +112,7 @@ async def run_no_speculation(store: ModelStore, full: Sequence[Arrival], mixed: 
         try:
             served = Served(suite, suite.dev_key_path.read_text().strip())
             await served.run(full[:2], "gateway")
-            return await run_c(served, None, mixed, args)
+            return await run_c(served, None, mixed, args.concurrency, args.rounds_no_spec)
         finally:
             suite.stop()
 
@@ -126,7 +129,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                     for i in range(args.mixed)), key=lambda a: a.at_s)
     full = [Arrival(0.0, t, i, 64) for t, i in zip(texts, ids, strict=True)]
     report: dict[str, Any] = {"machine": {**machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},
-                              "dtype": "bfloat16"}
+                              "engine_precision": "auto (services/inference/precision.py)", "hf_dtype": args.hf_dtype}
     print("sweep ...", flush=True)
     report["d_sweep"] = await run_sweep(folder, ids, args)
     print("served and HF ...", flush=True)
@@ -145,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sequential", type=int, default=3, help="HF requests timed one at a time")
     parser.add_argument("--rounds", type=int, default=3,
                         help="(a) and (c): runs of each side, in turn; medians reported")
+    parser.add_argument("--rounds-no-spec", type=int, default=1,
+                        help="(c) without speculative decoding: runs (it measures no ratio, so one)")
+    parser.add_argument("--hf-dtype", default=best_dtype(), choices=sorted(TORCH_DTYPES),
+                        help="the baselines' dtype; default: the fastest on this CPU")
     parser.add_argument("--mixed", type=int, default=48)
     parser.add_argument("--mixed-spread-s", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)

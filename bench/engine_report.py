@@ -34,7 +34,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     values = [a["hf_sequential"]["tokens_per_s"], a["hf_static"]["tokens_per_s"], a["direct"]["tokens_per_s"],
               a["gateway"]["tokens_per_s"]]
     axes[0].bar(names, values, color=["grey", "grey", "tab:blue", "tab:orange"])
-    axes[0].set(title="(a) 64 concurrent x 64 tokens, bf16", ylabel="useful tokens/s")
+    axes[0].set(title=f"(a) 64 concurrent x 64 tokens, HF in {report['hf_dtype']}", ylabel="useful tokens/s")
     axes[0].tick_params(axis="x", rotation=20)
     c = report["c_mixed"]
     off = c["no_speculation"]

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.measure import percentiles
 from bench.workload import Arrival
+from services.inference.precision import AUTO, choose_precision, read_cpu_flags
 from services.inference.torch_thread import run_in_fresh_thread
 
 
@@ -23,14 +24,22 @@ def useful(row: Sequence[int], eos: frozenset[int], limit: int) -> int:
     return min(len(row), limit)
 
 
+def best_dtype() -> str:
+    """The dtype Hugging Face runs fastest in on this CPU: the one "auto" gives the engine's
+    large products (services/inference/precision.py): bf16 where the CPU has bf16 instructions,
+    float32 where bf16 is emulated (several times slower batched, so a bf16 baseline there is
+    both slow to run and a straw man)."""
+    return choose_precision("cpu", read_cpu_flags(), AUTO, AUTO).matmul
+
+
 class HF:
     """transformers' ``generate``, loaded and run on fresh threads like our engine's torch work
     (services/inference/torch_thread.py), so neither side pays for the other's thread pools."""
 
-    def __init__(self, folder: Path, eos: frozenset[int]) -> None:
+    def __init__(self, folder: Path, eos: frozenset[int], dtype: torch.dtype = torch.bfloat16) -> None:
         self.model = run_in_fresh_thread(lambda: AutoModelForCausalLM.from_pretrained(
-            folder, dtype=torch.bfloat16, local_files_only=True).eval())
-        self.eos, self.pad = eos, min(eos)
+            folder, dtype=dtype, local_files_only=True).eval())
+        self.eos, self.pad, self.dtype = eos, min(eos), dtype
 
     def generate(self, batch: Sequence[Sequence[int]], max_new: int) -> tuple[float, list[list[int]]]:
         """One static batch (left-padded); returns seconds and each row's new ids."""
