@@ -1,11 +1,14 @@
 """Peer benchmark (`make bench-peers`): aiserve through its gateway against vLLM's CPU build on the
 same machine, same model, same prompts, in the same run.
 
-    .venv/bin/python -m bench.peers [--rounds 3] [--vllm-dtype float32]
+    .venv/bin/python -m bench.peers [--rounds 3] [--vllm float32:eager bfloat16:compile]
 
 vLLM's CPU build is installed into ``var/peers/vllm`` on first use (bench/vllm_peer.py) and
-served on the model store's folder with the settings its CPU docs give for a small machine.
-Both answer "What is the capital of France?" first; a wrong answer stops the bench. Then, each
+served on the model store's folder with the settings its CPU docs give for a small machine, in
+each configuration asked for (default: float32 eager, and bf16 with torch.compile where the CPU
+has bf16 instructions: its fastest there), one after the other against the same aiserve suite.
+Both answer "What is the capital of France?" first: a wrong answer from aiserve stops the bench,
+one from a peer configuration is reported and that configuration is not measured. Then, each
 side in turn so a slow minute of the VM hits both:
 
 (a) 64 concurrent chat turns "Write a short story about a robot number N." x 64 new tokens;
@@ -22,12 +25,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import socket
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -80,20 +82,19 @@ async def run_vllm(server: VllmServer, work: Sequence[Arrival], concurrency: int
             "time_per_token": tpot(timings)}
 
 
-async def answers(served: Served, server: VllmServer) -> dict[str, str]:
-    """Both sides' greedy answer to ``CHECK``; raises unless both name Paris."""
+async def aiserve_answer(served: Served) -> str:
+    """aiserve's greedy answer to ``CHECK`` through its gateway."""
     request = gateway_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_new_tokens=16, temperature=0.0),
                                           cache=gateway_pb2.CACHE_POLICY_BYPASS)
     request.chat.messages.add(role="user", content=CHECK)
     async with aio.insecure_channel(served.suite.config.address("gateway")) as channel:
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
             request, timeout=60, metadata=(("authorization", f"Bearer {served.key}"),))
-        ours = "".join([m.text_delta async for m in call])
-    _, theirs = await chat_stream("127.0.0.1", server.port, server.model_name, CHECK, 16, 60)
-    result = {"aiserve": ours, "vllm": theirs}
-    if not all("paris" in text.lower() for text in result.values()):
-        raise RuntimeError(f"a side answered wrongly: {result}")
-    return result
+        return "".join([m.text_delta async for m in call])
+
+
+def is_right(answer: str) -> bool:
+    return "paris" in answer.lower()
 
 
 async def aiserve_settings(served: Served) -> dict[str, Any]:
@@ -114,37 +115,71 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def vllm_configs(names: Sequence[str]) -> list[VllmSettings]:
+    """``dtype:mode`` names (``bfloat16:compile``, ``float32:eager``) as the peer's settings."""
+    configs = []
+    for name in names:
+        dtype, _, mode = name.partition(":")
+        if mode not in ("eager", "compile"):
+            raise SystemExit(f"--vllm {name!r}: want dtype:eager or dtype:compile")
+        configs.append(VllmSettings(dtype=dtype, enforce_eager=mode == "eager"))
+    return configs
+
+
+def default_vllm_configs() -> list[str]:
+    """float32 eager (what the peer's CPU build runs correctly everywhere) and, where the CPU has
+    bf16 instructions, bf16 with torch.compile (its fastest there; on an AVX2-only CPU it answers
+    wrongly, so it is not measured there)."""
+    flags = set(machine()["cpu_flags"])
+    return ["float32:eager", *(["bfloat16:compile"] if flags & {"avx512_bf16", "amx_bf16"} else [])]
+
+
+async def compare(served: Served, server: VllmServer, workloads: Mapping[str, tuple[Sequence[Arrival], int]],
+                  rounds: int) -> dict[str, Any]:
+    """Every workload against both sides in turn, ``rounds`` times; medians and the ratios."""
+    await served.run(next(iter(workloads.values()))[0][:4], "gateway")  # warm-up, both sides
+    await run_vllm(server, next(iter(workloads.values()))[0][:4], 4)
+    report: dict[str, Any] = {}
+    for name, (work, concurrency) in workloads.items():
+        print(f"  {name} ...", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {"aiserve": [], "vllm": []}
+        for _ in range(rounds):
+            runs["aiserve"].append(await served.run(work, "gateway", concurrency))
+            runs["vllm"].append(await run_vllm(server, work, concurrency))
+        result = {side: median_run(samples) for side, samples in runs.items()}
+        result["ratio"] = round(result["aiserve"]["tokens_per_s"] / result["vllm"]["tokens_per_s"], 3)
+        report[name] = result
+    return report
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     store = ModelStore(model_store_path().resolve())
     folder, _ = store.load_path(ModelRef.parse(DEFAULT_MODEL_REF))
     vllm = install(PEERS / "vllm")
-    settings = VllmSettings(dtype=args.vllm_dtype, enforce_eager=not args.vllm_compile)
     stories = [Arrival(0.0, text, [], 64) for text in story_prompts(64)]
-    alone = stories[: args.alone]
-    mixed = mixed_workload(48, 6.0)
-    report: dict[str, Any] = {"machine": machine(), "vllm": settings.describe(), "date": time.strftime("%Y-%m-%d")}
-    with tempfile.TemporaryDirectory() as home, \
-            VllmServer(vllm, folder, free_port(), settings, RESULTS / "peers-vllm.log") as server:
+    workloads = {"a_64_concurrent": (stories, 64), "a_16_concurrent": (stories, 16),
+                 "b_alone": (stories[: args.alone], 1), "c_mixed": (mixed_workload(48, 6.0), 16)}
+    report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+                              "peers": []}
+    with tempfile.TemporaryDirectory() as home:
         started = time.perf_counter()
         suite = await start_suite(Path(home), store)
         try:
-            report["vllm"]["ready_s"] = round(server.wait_ready(600), 1)
             served = Served(suite, suite.dev_key_path.read_text().strip())
-            report["aiserve"] = {"ready_s": round(time.perf_counter() - started, 1), **await aiserve_settings(served)}
-            report["answers"] = await answers(served, server)
-            await served.run(stories[:4], "gateway")  # warm-up, both sides
-            await run_vllm(server, stories[:4], 4)
-            workloads = {"a_64_concurrent": (stories, 64), "a_16_concurrent": (stories, 16),
-                         "b_alone": (alone, 1), "c_mixed": (mixed, 16)}
-            for name, (work, concurrency) in workloads.items():
-                print(f"{name} ...", flush=True)
-                runs: dict[str, list[dict[str, Any]]] = {"aiserve": [], "vllm": []}
-                for _ in range(args.rounds):
-                    runs["aiserve"].append(await served.run(work, "gateway", concurrency))
-                    runs["vllm"].append(await run_vllm(server, work, concurrency))
-                result = {side: median_run(samples) for side, samples in runs.items()}
-                result["ratio"] = round(result["aiserve"]["tokens_per_s"] / result["vllm"]["tokens_per_s"], 3)
-                report[name] = result
+            report["aiserve"] = {"ready_s": round(time.perf_counter() - started, 1), **await aiserve_settings(served),
+                                 "answer": await aiserve_answer(served)}
+            if not is_right(report["aiserve"]["answer"]):
+                raise RuntimeError(f"aiserve answered wrongly: {report['aiserve']['answer']!r}")
+            for settings in vllm_configs(args.vllm or default_vllm_configs()):
+                print(f"vLLM {settings.dtype}, {'eager' if settings.enforce_eager else 'compile'} ...", flush=True)
+                log = RESULTS / f"peers-vllm-{settings.dtype}-{'eager' if settings.enforce_eager else 'compile'}.log"
+                with VllmServer(vllm, folder, free_port(), settings, log) as server:
+                    ready_s = round(server.wait_ready(900), 1)
+                    peer: dict[str, Any] = {"settings": {**settings.describe(), "ready_s": ready_s}}
+                    _, peer["answer"] = await chat_stream("127.0.0.1", server.port, server.model_name, CHECK, 16, 60)
+                    if is_right(peer["answer"]):
+                        peer.update(await compare(served, server, workloads, args.rounds))
+                    report["peers"].append(peer)  # a wrong answer is reported, not measured
         finally:
             suite.stop()
     return report
@@ -154,25 +189,35 @@ WORKLOADS = (("a_64_concurrent", "64 concurrent"), ("a_16_concurrent", "16 concu
              ("c_mixed", "mixed"))
 
 
+def label(peer: dict[str, Any]) -> str:
+    st = peer["settings"]
+    return f"vLLM {st['dtype']} {'eager' if st['enforce_eager'] else 'compile'}"
+
+
 def plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = [label for key, label in WORKLOADS if key in report]
-    keys = [key for key, _ in WORKLOADS if key in report]
-    for offset, side in ((-0.2, "aiserve"), (0.2, "vllm")):
-        xs = [i + offset for i in range(len(keys))]
-        left.bar(xs, [report[k][side]["tokens_per_s"] for k in keys], width=0.4, label=side)
-        right.bar(xs, [report[k][side]["ttft"]["p50_ms"] / 1000 for k in keys], width=0.4, label=side)
+    measured = [p for p in report["peers"] if "a_64_concurrent" in p]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    keys = [key for key, _ in WORKLOADS]
+    width = 0.8 / (1 + len(measured))
+    sides = [("aiserve (gateway)", measured[0] if measured else None, "aiserve")] + \
+        [(label(p), p, "vllm") for p in measured]
+    for i, (name, peer, side) in enumerate(sides):
+        if peer is None:
+            continue
+        xs = [k + (i - len(measured) / 2) * width for k in range(len(keys))]
+        left.bar(xs, [peer[k][side]["tokens_per_s"] for k in keys], width=width, label=name)
+        right.bar(xs, [peer[k][side]["ttft"]["p50_ms"] / 1000 for k in keys], width=width, label=name)
     for axis, title in ((left, "tokens/s (median of rounds)"), (right, "TTFT p50 (s)")):
-        axis.set_xticks(range(len(keys)), names)
+        axis.set_xticks(range(len(keys)), [name for _, name in WORKLOADS])
         axis.set_title(title)
-        axis.legend()
+        axis.legend(fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"aiserve (gateway) vs vLLM CPU {report['vllm']['dtype']}: {m['cpu']}, {m['cores']} cores, "
+    fig.suptitle(f"aiserve vs vLLM's CPU build, same run, {report['date']}: {m['cpu']}, {m['cores']} cores, "
                  f"{' '.join(m['cpu_flags'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -183,13 +228,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="runs of each side per workload, in turn; medians")
     parser.add_argument("--alone", type=int, default=3, help="requests timed one at a time in (b)")
-    parser.add_argument("--vllm-dtype", default="float32", help="float32 or bfloat16 (bf16 needs bf16 units)")
-    parser.add_argument("--vllm-compile", action="store_true", help="let vLLM use torch.compile (default eager)")
+    parser.add_argument("--vllm", nargs="*", default=[],
+                        help="peer settings, dtype:eager|compile each (default: float32:eager, plus "
+                             "bfloat16:compile where the CPU has bf16 instructions)")
     args = parser.parse_args(argv)
     report = run_and_write("peers", bench, args, plot)
-    summary = {k: {"aiserve": round(v["aiserve"]["tokens_per_s"], 1), "vllm": round(v["vllm"]["tokens_per_s"], 1),
-                   "ratio": v["ratio"]} for k, v in report.items() if isinstance(v, dict) and "ratio" in v}
-    print(json.dumps(summary, indent=1))
+    for peer in report["peers"]:
+        figures = {k: (round(peer[k]["aiserve"]["tokens_per_s"], 1), round(peer[k]["vllm"]["tokens_per_s"], 1),
+                       peer[k]["ratio"]) for k, _ in WORKLOADS if k in peer}
+        print(label(peer), figures or f"wrong answer {peer['answer']!r}")
     return 0
 
 
