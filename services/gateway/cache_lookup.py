@@ -74,10 +74,13 @@ class CacheLookup:
     def _count(self, task: asyncio.Task[CachedAnswer | None]) -> None:
         if task.cancelled():  # the request ended before the lookup did: no outcome
             return
-        if task.result() is None:
+        if (hit := task.result()) is None:
             outcome = "miss"
+        elif self._is_streaming:  # the race was lost: the answer is generated all the same
+            outcome = "late_hit"
+            log.info("cache_hit_after_first_token", entry_id=hit.entry_id, similarity=hit.similarity)
         else:
-            outcome = "late_hit" if self._is_streaming else "hit_cancelled" if self._is_generating else "hit"
+            outcome = "hit_cancelled" if self._is_generating else "hit"
         self._on_outcome(outcome)
 
     def hit(self) -> CachedAnswer | None:
