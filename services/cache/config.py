@@ -44,6 +44,10 @@ class CacheConfig(ServiceConfig):
     milliseconds of hand-off per search (measured: 8 ms instead of 0.15 ms at 3,000 entries)."""
     query_cache_size: int = 1024
     """Query embeddings kept in memory, so a Store reuses the vector its Lookup computed."""
+    lookup_delay_ms: int = 0
+    """A TEST setting: every Lookup waits this long before it answers (an asyncio sleep: the
+    service's other calls go on), so tests can make the cache slow on purpose and check that a
+    miss's first token never waits for it; 0 = off. 0..60000."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -55,6 +59,7 @@ class CacheConfig(ServiceConfig):
         require(1 <= self.index_threads <= 256, f"index_threads: must be 1..256, got {self.index_threads}")
         require(0 <= self.query_cache_size <= 1_000_000,
                 f"query_cache_size: must be 0..1000000, got {self.query_cache_size}")
+        require(0 <= self.lookup_delay_ms <= 60_000, f"lookup_delay_ms: must be 0..60000, got {self.lookup_delay_ms}")
 
     def resolved_db_path(self, environ: Mapping[str, str] | None = None) -> Path:
         """The SQLite file to open: ``db_path``, or the default under ``AISERVE_HOME``."""

@@ -34,7 +34,8 @@ class CacheMetrics:
 
     def __init__(self) -> None:
         # registry=None: created unregistered, registered in the server's registry by ``register``.
-        self.lookups = Counter("aiserve_cache_lookups_total", "Cache lookups", ["result", "tier"], registry=None)
+        self.lookups = Counter("aiserve_cache_lookups_total", "Cache lookups", ["result", "tier", "asked"],
+                               registry=None)
         self.lookup_seconds = Histogram("aiserve_cache_lookup_seconds", "Lookup latency (embedding included)",
                                         ["result"], buckets=_LOOKUP_BUCKETS, registry=None)
         self.hit_similarity = Histogram("aiserve_cache_hit_similarity", "Similarity of cache hits", ["tier"],
@@ -67,11 +68,12 @@ class CacheMetrics:
         if reason not in NOT_EVICTIONS:
             self.evictions.labels(reason).inc(len(ids))
 
-    def count_lookup(self, tier: str | None, similarity: float, seconds: float) -> None:
-        """One lookup: its tier ("exact", "semantic"; None = a miss), the hit's similarity, its latency."""
+    def count_lookup(self, tier: str | None, similarity: float, seconds: float, asked: str) -> None:
+        """One lookup: its tier ("exact", "semantic"; None = a miss), the hit's similarity, its
+        latency, and the tiers it asked ("exact": no query; "both": with a query)."""
         result = "miss" if tier is None else "hit"
         self.lookup_seconds.labels(result).observe(seconds)
-        self.lookups.labels(result, tier or "none").inc()
+        self.lookups.labels(result, tier or "none", asked).inc()
         if tier is not None:
             self.hit_similarity.labels(tier).observe(similarity)
 

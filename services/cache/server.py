@@ -1,9 +1,11 @@
 """The cache service: a thin gRPC servicer over SemanticCache (docs/cache.md).
 
-The cache never calls other services. Each RPC converts pb -> domain, embeds the query in a
-worker thread (the model blocks), calls SemanticCache in a worker thread (SQLite and faiss
-block) and converts back; the conversions live in this file only. The embedding model is
-loaded and run once before the server is handed back, so the service reports SERVING warm.
+The cache never calls other services. Each RPC converts pb -> domain, embeds the query on the
+service's one embedding thread (the model blocks; its own executor, so embeddings queue there
+and never hold up the SQLite and faiss calls, which run in asyncio's worker threads), calls
+SemanticCache in a worker thread and converts back; the conversions live in this file only. The
+embedding model is loaded and run once before the server is handed back, so the service
+reports SERVING warm.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import faiss
 from grpc import aio
@@ -108,25 +111,46 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
     def __init__(self, cache: SemanticCache, embedder: Embedder, config: CacheConfig, metrics: CacheMetrics) -> None:
         self._cache, self._embedder, self._config, self._metrics = cache, embedder, config, metrics
         self._vectors: OrderedDict[str, Vector | None] = OrderedDict()  # recent query -> vector
+        self._embedding: dict[str, asyncio.Future[Vector | None]] = {}  # query -> its embedding in progress
+        # One thread: the model runs one forward pass at a time anyway (on embedding_threads torch
+        # threads), and waiting embeddings queue here instead of filling asyncio's worker threads,
+        # which the exact tier's SQLite reads need at once.
+        self._embedder_thread = ThreadPoolExecutor(1, thread_name_prefix="cache-embed")
+
+    def close(self) -> None:
+        """Stop the embedding thread (after the server stopped)."""
+        self._embedder_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _vector(self, query: str) -> Vector | None:
+        """The query's embedding: remembered, in progress (a Store and the Lookup before it share
+        one), or computed now on the embedding thread."""
         if not query:
             return None
         if query in self._vectors:
             self._vectors.move_to_end(query)
             return self._vectors[query]
-        vector = await asyncio.to_thread(self._embedder.encode_one, query)
-        if self._config.query_cache_size:
-            self._vectors[query] = vector
-            while len(self._vectors) > self._config.query_cache_size:
-                self._vectors.popitem(last=False)
-        return vector
+        if (pending := self._embedding.get(query)) is None:
+            pending = asyncio.get_running_loop().run_in_executor(
+                self._embedder_thread, self._embedder.encode_one, query)
+            self._embedding[query] = pending
+            pending.add_done_callback(lambda done: self._embedded(query, done))
+        return await asyncio.shield(pending)  # a caller that leaves does not cancel it for the others
+
+    def _embedded(self, query: str, done: asyncio.Future[Vector | None]) -> None:
+        del self._embedding[query]
+        if done.cancelled() or done.exception() is not None or not self._config.query_cache_size:
+            return
+        self._vectors[query] = done.result()
+        while len(self._vectors) > self._config.query_cache_size:
+            self._vectors.popitem(last=False)
 
     async def Lookup(  # noqa: N802 - gRPC method name
         self, request: cache_pb2.LookupRequest, context: aio.ServicerContext
     ) -> cache_pb2.LookupResponse:
         """The stored answer for this scope and prompt or query; a miss is ``hit=false``."""
         started = time.perf_counter()
+        if self._config.lookup_delay_ms:  # a test setting: a slow cache on purpose
+            await asyncio.sleep(self._config.lookup_delay_ms / 1000)
         scope = scope_from_pb(request.scope)
         min_similarity = request.min_similarity if request.HasField("min_similarity") else None
         # The exact tier first: an exact hit needs no embedding.
@@ -135,7 +159,7 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
             hit = await asyncio.to_thread(self._cache.lookup, scope, request.prompt, request.query, vector,
                                           min_similarity)
         self._metrics.count_lookup(None if hit is None else hit.tier, 0.0 if hit is None else hit.similarity,
-                                   time.perf_counter() - started)
+                                   time.perf_counter() - started, "both" if request.query else "exact")
         return cache_pb2.LookupResponse(hit=False) if hit is None else hit_to_pb(hit)
 
     async def Store(  # noqa: N802
@@ -257,6 +281,7 @@ async def create_server(
     metrics.register(handle.registry, cache)
 
     async def close() -> None:
+        servicer.close()
         await asyncio.to_thread(cache.close)
 
     handle.on_close.append(close)

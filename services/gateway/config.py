@@ -73,6 +73,11 @@ class GatewayConfig(ServiceConfig):
     cache_max_temperature: float = 0.0
     """Requests sampled at a temperature above this are never looked up in or stored to the cache
     (a seed does not exempt them: a paraphrase with the same seed would get another sample)."""
+    cache_exact_wait_ms: float = 10.0
+    """How long a request waits for the cache's exact tier (answered without an embedding, ~1 ms)
+    before it starts its generation anyway; the lookup goes on beside the generation and still
+    wins if it hits before the first token (docs/gateway.md, "The cache lookup races the
+    generation"). 0 = never wait. 0..1000."""
     fingerprint_ttl_s: float = 2.0
     """Seconds a tokenizer/model fingerprint pairing check stays valid."""
     max_prompt_tokens: int = 8192
@@ -160,6 +165,8 @@ class GatewayConfig(ServiceConfig):
         require(self.max_stop_strings >= 0, f"max_stop_strings: must be >= 0, got {self.max_stop_strings}")
         require(0 <= self.cache_max_temperature <= 2,
                 f"cache_max_temperature: must be 0..2, got {self.cache_max_temperature}")
+        require(0 <= self.cache_exact_wait_ms <= 1000,
+                f"cache_exact_wait_ms: must be 0..1000, got {self.cache_exact_wait_ms}")
 
     def _validate_prices(self) -> None:
         parse_prices(self.prices)  # raises ConfigError naming the bad entry

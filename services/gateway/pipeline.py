@@ -1,5 +1,6 @@
-"""One generation, end to end: route -> render -> fit the context -> admit -> cache lookup ->
-generate -> detokenize -> stop strings -> usage -> cache store (docs/gateway.md).
+"""One generation, end to end: route -> render -> fit the context -> admit -> the cache's exact
+tier -> generate while the lookup by meaning runs -> detokenize -> stop strings -> usage -> cache
+store (docs/gateway.md).
 
 The gateway's core. It speaks domain values only: to its backends through the interfaces of
 ``services/gateway/interfaces.py``, to the servicer with Chunks and one Final. No grpc, no pb.
@@ -7,16 +8,20 @@ The gateway's core. It speaks domain values only: to its backends through the in
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import aclosing
 
 from aiserve.common.errors import ApiError, ErrorKind, Unavailable
 from aiserve.common.finish import STORABLE, FinishReason
+from aiserve.common.logging import get_logger
 from services.gateway.cache_keys import cache_key
+from services.gateway.cache_lookup import CacheLookup, no_count
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import (
     CachedAnswer,
+    CacheKey,
     Chunk,
     Final,
     GatewayRequest,
@@ -29,10 +34,12 @@ from services.gateway.domain import (
     TokenCountRequest,
     UsageRecord,
 )
-from services.gateway.interfaces import AnswerStore, NoObserver, PipelineBackends, RequestObserver
+from services.gateway.interfaces import AnswerCache, AnswerStore, NoObserver, PipelineBackends, RequestObserver
 from services.gateway.pricing import PriceTable
 from services.gateway.stops import StopMatcher
 from services.gateway.validation import fit_prompt
+
+log = get_logger("pipeline")
 
 _TRUNCATED = "[truncated-left:"  # prefix of a prompt cut to fit: a distinct cache key, never matched by meaning
 STORE_GRACE_S = 5.0
@@ -40,6 +47,7 @@ STORE_GRACE_S = 5.0
 
 Admit = Callable[[int, str], None]
 """``admit(prompt_tokens, model)``: raises to refuse a request once its prompt is tokenized."""
+OpenStore = Callable[[], AnswerStore]
 
 _VERSION_ERRORS = frozenset({ErrorKind.UNAVAILABLE, ErrorKind.INTERNAL, ErrorKind.DEADLINE_EXCEEDED,
                              ErrorKind.FAILED_PRECONDITION, ErrorKind.UNKNOWN})
@@ -50,11 +58,13 @@ class Pipeline:
     """Runs requests against the backends."""
 
     def __init__(self, config: GatewayConfig, backends: PipelineBackends, prices: PriceTable,
-                 observer: RequestObserver | None = None) -> None:
+                 observer: RequestObserver | None = None, on_cache_lookup: Callable[[str], None] = no_count) -> None:
         self.config = config
         self.backends = backends
         self.prices = prices  # the one table accounting reserves with, so cost and reservation agree
         self.observer: RequestObserver = observer if observer is not None else NoObserver()
+        self.on_cache_lookup = on_cache_lookup
+        """Told how each cache lookup ended (services/gateway/cache_lookup.py, OUTCOMES)."""
 
     async def generate(self, req: GatewayRequest, timeout_s: float | None,
                        admit: Admit | None = None) -> AsyncGenerator[Chunk | Final, None]:
@@ -89,20 +99,51 @@ class Pipeline:
         key = cache_key(route.model, req.tenant, req.sampling.cache_key(), prompt.text, req.messages,
                         is_truncated=prompt.text.startswith(_TRUNCATED))
         cache = self.backends.cache if self._cacheable(req) else None
+        lookup = None
         if cache is not None and req.cache_policy == "use":
-            hit = await cache.lookup(key, req.cache_min_similarity)
+            lookup = CacheLookup(cache, key, req.cache_min_similarity, self.on_cache_lookup)
+        try:
+            # The exact tier answers in about a millisecond: worth waiting for before any model work.
+            hit = await lookup.exact(self.config.cache_exact_wait_ms / 1000) if lookup is not None else None
             if hit is not None:
                 for item in _replay(hit, len(prompt.token_ids), route.model, started):
                     yield item
                 return
-        store = cache.open_store(key, _remaining_s(deadline) + STORE_GRACE_S) if cache is not None else None
-        try:
-            async with aclosing(self._answer(req, route.model, prompt, started, deadline, store)) as items:
+            open_store = None if cache is None else _store_opener(cache, key, deadline)
+            async with aclosing(self._answer(req, route.model, prompt, started, deadline, lookup, open_store)) as items:
                 async for item in items:
                     yield item
         finally:
-            if store is not None:
-                store.abort()  # a cancelled or failed generation leaves nothing behind (no-op after commit)
+            if lookup is not None:
+                lookup.close()  # no-op once it ended or a store waits for it
+
+    async def _answer(self, req: GatewayRequest, model: str, prompt: RenderedPrompt, started: float, deadline: float,
+                      lookup: CacheLookup | None, open_store: OpenStore | None) -> AsyncGenerator[Chunk | Final, None]:
+        """The generation as it streams (into a new store too), its Final, then the store's commit;
+        or the cache's answer, when the lookup hits before the generation's first item (the
+        generation is cancelled then: nothing of it was sent, and it is not billed)."""
+        async with aclosing(self._generated(req, model, prompt, started, deadline)) as items:
+            first = await lookup.first_of(items) if lookup is not None else await anext(items)
+            if isinstance(first, CachedAnswer):
+                log.info("generation_cancelled_for_cache_hit", similarity=first.similarity, entry_id=first.entry_id)
+                for item in _replay(first, len(prompt.token_ids), model, started):
+                    yield item
+                return
+            store = open_store() if open_store is not None else None
+            try:
+                async for item in _prepend(first, items):
+                    if isinstance(item, Chunk) and store is not None:
+                        store.add(item)
+                    yield item
+                    if isinstance(item, Final) and store is not None and item.finish_reason in STORABLE:
+                        kept, store = store, None  # only a normally finished answer is kept, after its Final
+                        if lookup is None:
+                            await kept.commit(item.finish_reason)
+                        else:  # unless the lookup found an answer meanwhile
+                            await asyncio.shield(lookup.keep(kept, item.finish_reason))
+            finally:
+                if store is not None:
+                    store.abort()  # a cancelled or failed generation leaves nothing behind
 
     async def count_tokens(self, request: TokenCountRequest) -> TokenCount:
         """Tokens of the request's input as a generation would render it, on the checked route."""
@@ -141,9 +182,9 @@ class Pipeline:
             and req.sampling.temperature <= self.config.cache_max_temperature
         )
 
-    async def _answer(self, req: GatewayRequest, model: str, prompt: RenderedPrompt, started: float,
-                      deadline: float, store: AnswerStore | None) -> AsyncGenerator[Chunk | Final, None]:
-        """The generation as it streams (into ``store`` too), its Final, then the store's commit."""
+    async def _generated(self, req: GatewayRequest, model: str, prompt: RenderedPrompt, started: float,
+                         deadline: float) -> AsyncGenerator[Chunk | Final, None]:
+        """The generation as it streams, then its Final."""
         num_tokens, ttft_ms = 0, 0
         last: GenerationEvent | None = None
         async with aclosing(self._stream(req, model, prompt, deadline)) as chunks:
@@ -152,15 +193,11 @@ class Pipeline:
                 if chunk.text_delta:
                     ttft_ms = ttft_ms or _ms_since(started)
                 if chunk.text_delta or chunk.token_ids:
-                    if store is not None:
-                        store.add(chunk)
                     yield chunk
                 last = event or last
         # No finish reason on the last event read: a stop string ended it (we cancelled).
         finish = (last.finish_reason if last is not None else None) or FinishReason.STOP
         yield Final(finish, self._usage(len(prompt.token_ids), num_tokens, model, last, ttft_ms, _ms_since(started)))
-        if store is not None and finish in STORABLE:
-            await store.commit(finish)  # only a normally finished answer is kept
 
     async def _stream(self, req: GatewayRequest, model: str, prompt: RenderedPrompt,
                       deadline: float) -> AsyncGenerator[tuple[Chunk, GenerationEvent | None], None]:
@@ -209,6 +246,17 @@ def _replay(hit: CachedAnswer, prompt_tokens: int, model: str, started: float) -
     yield Final(hit.finish_reason, UsageRecord(
         prompt_tokens, hit.completion_tokens, cache_hit=True, queue_ms=0, ttft_ms=ms, total_ms=ms, model=model,
         cost_micros=0, cache_similarity=hit.similarity, cache_entry_id=hit.entry_id))
+
+
+def _store_opener(cache: AnswerCache, key: CacheKey, deadline: float) -> OpenStore:
+    """Opens a store for ``key`` when the generation's first item is sent (never before: a hit may cancel it)."""
+    return lambda: cache.open_store(key, _remaining_s(deadline) + STORE_GRACE_S)
+
+
+async def _prepend(first: Chunk | Final, rest: AsyncIterator[Chunk | Final]) -> AsyncIterator[Chunk | Final]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _outcome(final: Final) -> RequestOutcome:

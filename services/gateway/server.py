@@ -158,7 +158,7 @@ async def create_server(config: GatewayConfig, observer: RequestObserver | None 
     handle.health_loop = loops
     accounting = Accounting.open(config)
     observer = observer if observer is not None else canaries.observer
-    pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer)
+    pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer, metrics.count_cache_lookup)
     servicer = GatewayServicer(config, pipeline, accounting, metrics)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     add_admin(handle, config.admin_key_file(), backends, accounting, observer)

@@ -8,9 +8,25 @@ from __future__ import annotations
 import grpc
 from grpc import aio
 
-from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
+from aiserve.v1 import (
+    cache_pb2,
+    cache_pb2_grpc,
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    inference_pb2,
+    inference_pb2_grpc,
+)
 from suite.runner import Suite
-from tests.integration.conftest import auth, create_tenant, dev_key
+from tests.integration.conftest import (
+    auth,
+    create_tenant,
+    dev_key,
+    eventually,
+    ledger_rows,
+    log_records,
+    new_request_id,
+)
 from tests.integration.test_e2e import TIMEOUT_S, chat_request, stream
 
 USE, REFRESH = gateway_pb2.CACHE_POLICY_USE, gateway_pb2.CACHE_POLICY_REFRESH
@@ -93,3 +109,36 @@ async def test_a_cancelled_generation_leaves_nothing_in_the_cache(suite: Suite) 
         assert await call.code() == grpc.StatusCode.CANCELLED
     after, _ = await stream(suite, question)
     assert not after[-1].usage.cache_hit
+
+
+async def inference_stats(suite: Suite) -> inference_pb2.InferenceStats:
+    async with aio.insecure_channel(suite.config.address("inference")) as channel:
+        return await inference_pb2_grpc.InferenceStub(channel).Stats(inference_pb2.InferenceStatsRequest(),
+                                                                     timeout=TIMEOUT_S)
+
+
+def logged(suite: Suite, service: str, event: str, request_id: str, **fields: object) -> bool:
+    """Whether ``service`` has logged ``event`` for ``request_id`` (with these field values)."""
+    return any(r.get("event") == event and r.get("request_id") == request_id
+               and all(r.get(k) == v for k, v in fields.items()) for r in log_records(suite, service))
+
+
+async def test_a_hit_by_meaning_cancels_the_generation_it_raced_and_costs_nothing(suite: Suite) -> None:
+    first, _ = await stream(suite, chat_request("Who invented the telephone?", 24))
+    assert not first[-1].usage.cache_hit
+    before = await inference_stats(suite)
+    request_id = new_request_id()
+    hit, _ = await stream(suite, chat_request("Who was the inventor of the telephone?", 24), request_id=request_id)
+    usage = hit[-1].usage
+    assert usage.cache_hit and usage.cost_micros == 0 and text_of(hit) == text_of(first)
+    # The generation was started while the cache embedded the question ...
+    assert (await inference_stats(suite)).num_requests == before.num_requests + 1
+    # ... and cancelled under the request's id once the cache answered (before its first token).
+    await eventually(lambda: logged(suite, "inference", "rpc", request_id, code="CANCELLED"),
+                     what="the inference service's line for the cancelled generation")
+    await eventually(lambda: logged(suite, "gateway", "generation_cancelled_for_cache_hit", request_id),
+                     what="the gateway's line for the cancelled generation")
+    # One ledger row: a hit, billed nothing, the cached answer's tokens.
+    [row] = [r for r in ledger_rows(suite.config.home) if r.request_id == request_id]
+    assert (row.status, row.cache_hit, row.cost_micros) == ("OK", True, 0)
+    assert row.completion_tokens == usage.completion_tokens == first[-1].usage.completion_tokens

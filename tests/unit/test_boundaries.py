@@ -18,9 +18,9 @@ TIMEOUT_S = 120.0
 EDGES = ("grpc", "torch")
 PB = ("aiserve.v1",)
 GATEWAY_CORE = tuple(f"services.gateway.{name}" for name in (
-    "accounting", "cache_keys", "canary_judge", "changes", "config", "domain", "feedback", "interfaces",
-    "judge_config", "ledger", "limits", "metrics", "pipeline", "pricing", "replicas", "route_store", "route_table",
-    "stops", "targets", "tenants", "validation", "version_window"))
+    "accounting", "cache_keys", "cache_lookup", "canary_judge", "changes", "config", "domain", "feedback",
+    "interfaces", "judge_config", "ledger", "limits", "metrics", "pipeline", "pricing", "replicas", "route_store",
+    "route_table", "stops", "targets", "tenants", "validation", "version_window"))
 """The gateway's modules without grpc or pb (docs/gateway.md, "Core and edge")."""
 
 _PROBE = """

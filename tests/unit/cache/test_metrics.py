@@ -43,8 +43,8 @@ async def test_two_cache_servers_in_one_process_each_report_their_own_metrics(
             # Counters: what each server did, and nothing the other did.
             assert sample(first, "aiserve_cache_stores_total", outcome="stored") == 1
             assert sample(second, "aiserve_cache_stores_total", outcome="stored") == 2
-            assert sample(first, "aiserve_cache_lookups_total", result="hit", tier="semantic") == 1
-            assert sample(second, "aiserve_cache_lookups_total", result="hit", tier="semantic") is None
+            assert sample(first, "aiserve_cache_lookups_total", result="hit", tier="semantic", asked="both") == 1
+            assert sample(second, "aiserve_cache_lookups_total", result="hit", tier="semantic", asked="both") is None
             # The removal hook counts into the metrics of the server whose cache removed entries.
             assert sample(second, "aiserve_cache_evictions_total", reason="invalidate") == 2
             assert sample(first, "aiserve_cache_evictions_total", reason="invalidate") is None

@@ -3,6 +3,7 @@ each records what the pipeline asked of it."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -76,16 +77,26 @@ class FakeTokenizer:
 
 
 class FakeGeneration:
-    """Reads its script; an exception in it is raised in its turn."""
+    """Reads its script; an exception in it is raised in its turn. With ``held``, its first read
+    waits for that event (a prefill that takes a while); ``reading`` is set when it starts."""
 
-    def __init__(self, script: list[GenerationEvent | Exception]) -> None:
+    def __init__(self, script: list[GenerationEvent | Exception], held: asyncio.Event | None = None,
+                 failed: asyncio.Event | None = None, reading: asyncio.Event | None = None) -> None:
         self.script = list(script)
+        self.held, self.failed = held, failed
+        self.reading = reading or asyncio.Event()
         self.is_ended = self.is_closed = False
 
     async def read(self, timeout_s: float) -> GenerationEvent:
+        if not self.reading.is_set():
+            self.reading.set()
+            if self.held is not None:
+                await self.held.wait()
         item = self.script.pop(0)
         self.is_ended = isinstance(item, Exception) or item.finish_reason is not None
         if isinstance(item, Exception):
+            if self.failed is not None:
+                self.failed.set()
             raise item
         return item
 
@@ -101,9 +112,15 @@ class FakeGeneration:
 class FakeGenerations:
     script: list[GenerationEvent | Exception] = field(default_factory=list)
     opened: list[tuple[GenerationRequest, float, FakeGeneration]] = field(default_factory=list)
+    held: asyncio.Event | None = None
+    """Every generation's first read waits for it."""
+    failed: asyncio.Event | None = None
+    """Set when a generation raises an error of its script."""
+    reading: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the first generation begins to read."""
 
     def open(self, request: GenerationRequest, timeout_s: float) -> FakeGeneration:
-        generation = FakeGeneration(self.script)
+        generation = FakeGeneration(self.script, self.held, self.failed, self.reading if not self.opened else None)
         self.opened.append((request, timeout_s, generation))
         return generation
 
@@ -150,29 +167,54 @@ class FakeStore:
     added: list[Chunk] = field(default_factory=list)
     committed: FinishReason | None = None
     is_aborted: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once committed or aborted."""
 
     def add(self, chunk: Chunk) -> None:
         self.added.append(chunk)
 
     async def commit(self, finish_reason: FinishReason) -> str:
         self.committed = finish_reason
+        self.ended.set()
         return "entry-1"
 
     def abort(self) -> None:
         if self.committed is None:
             self.is_aborted = True
+            self.ended.set()
 
 
 @dataclass
 class FakeCache:
+    """The exact tier (a lookup without a query) finds ``answer``; a lookup with a query finds
+    ``answer`` or else ``by_meaning``, after ``held`` is set (a slow embedding), or raises ``error``."""
+
     answer: CachedAnswer | None = None
+    by_meaning: CachedAnswer | None = None
+    held: asyncio.Event | None = None
+    exact_held: asyncio.Event | None = None
+    """The exact tier's lookups wait for it."""
+    error: Exception | None = None
     lookups: list[tuple[CacheKey, float | None]] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a lookup is cancelled while it waits."""
     stores: list[FakeStore] = field(default_factory=list)
     feedback: list[tuple[str, bool, float]] = field(default_factory=list)
 
     async def lookup(self, key: CacheKey, min_similarity: float | None) -> CachedAnswer | None:
         self.lookups.append((key, min_similarity))
-        return self.answer
+        held = self.held if key.query else self.exact_held
+        try:
+            if held is not None:
+                await held.wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        if not key.query:
+            return self.answer
+        if self.error is not None:
+            raise self.error
+        return self.answer or self.by_meaning
 
     def open_store(self, key: CacheKey, timeout_s: float) -> FakeStore:
         self.stores.append(FakeStore(key))
@@ -190,10 +232,12 @@ class Fakes:
     cache: FakeCache = field(default_factory=FakeCache)
     tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     observer: FakeObserver = field(default_factory=lambda: FakeObserver())
+    lookup_outcomes: list[str] = field(default_factory=list)
+    """How each cache lookup ended, as the pipeline reported it."""
 
     def pipeline(self, config: GatewayConfig = CONFIG) -> Pipeline:
         backends = PipelineBackends(self.router, self.tokenizer, self.generations, self.detokenizer, self.cache)
-        return Pipeline(config, backends, config.price_table(), self.observer)
+        return Pipeline(config, backends, config.price_table(), self.observer, self.lookup_outcomes.append)
 
 
 @dataclass

@@ -27,6 +27,8 @@ BAD_VALUES: list[tuple[str, Any]] = [
     ("max_stop_strings", -1),
     ("max_stop_chars", 0),
     ("cache_max_temperature", 2.5),
+    ("cache_exact_wait_ms", -1.0),
+    ("cache_exact_wait_ms", 1500.0),
     # prices
     ("prices", ("smollm2-135m-instruct@0.1.2=50/150",)),
     ("prompt_price_micros_per_token", -1),

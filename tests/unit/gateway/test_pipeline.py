@@ -188,7 +188,8 @@ async def test_a_chats_last_user_message_is_its_semantic_query() -> None:
     fakes.generations.script = list(THREE_TOKENS)
     chat = request(prompt=None, messages=(("system", "be brief"), ("user", "capital of France?")))  # type: ignore[arg-type]
     await run(fakes.pipeline(), chat)
-    [(key, min_similarity)] = fakes.cache.lookups
+    [(exact, _), (key, min_similarity)] = fakes.cache.lookups  # the exact tier (no query) first
+    assert (exact.query, exact.prompt, exact.scope) == ("", key.prompt, key.scope)
     assert key.query == "capital of France?" and key.prompt == "system: be brief\nuser: capital of France?\n"
     assert len(key.scope.context) == 64 and min_similarity is None  # the earlier turns, as a sha256
 

@@ -202,5 +202,6 @@ async def test_the_gateway_counts_in_its_own_registry(gateway: Gateway) -> None:
     assert registry.get_sample_value("aiserve_gateway_requests_total", labels) == 1.0
     assert registry.get_sample_value("aiserve_gateway_tokens_total", {"kind": "completion"}) == 4.0
     assert registry.get_sample_value("aiserve_gateway_cost_micros_total", {"tier": "paid"}) == 360.0
+    assert registry.get_sample_value("aiserve_gateway_cache_lookups_total", {"outcome": "hit_cancelled"}) == 0.0
     # not in the process-wide default registry, which a second server would share
     assert prometheus_client.REGISTRY.get_sample_value("aiserve_gateway_requests_total", labels) is None
