@@ -83,6 +83,7 @@ class ServiceHandle:
     """Why it is not SERVING ("" while it is)."""
     started_at: float = field(default_factory=time.monotonic)
     _is_stopping: bool = False
+    _has_served: bool = False
     _health_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +98,9 @@ class ServiceHandle:
         reason = "" if serving else (reason or "not serving")
         if (serving, reason) != (self.is_serving, self.reason):
             log.info("health_changed", service=self.name, serving=serving, reason=reason)
+        if serving and not self._has_served:
+            self._has_served = True
+            log_startup("serving")
         self.is_serving, self.reason = serving, reason
         self._serving_gauge.set(1 if serving else 0)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -160,6 +164,26 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc, 10 ms resolution; 0.0 elsewhere)."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            uptime_s = float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def log_startup(phase: str, **fields: object) -> None:
+    """One ``startup`` log line for a phase of the process's start ("imported", "loaded",
+    "warmed", ...) with the seconds since the process started and the CPU seconds it has used
+    (``bench/cold_start.py`` reads them, with the ``health_changed`` line that reports SERVING)."""
+    log.info("startup", phase=phase, process_age_s=round(process_age_s(), 3),
+             cpu_s=round(time.process_time(), 3), **fields)
 
 
 def new_server(name: str, service_names: Sequence[str], host: str, port: int) -> ServiceHandle:
@@ -275,6 +299,7 @@ def run_service(
         print(f"aiserve-{name}: bad settings: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(name, config.log_level)  # type: ignore[attr-defined]
+    log_startup("imported")
     if prepare is not None:
         prepare(config)
 

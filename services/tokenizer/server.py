@@ -19,7 +19,7 @@ from aiserve.common.errors import ApiError, FailedPrecondition, NotFound, Resour
 from aiserve.common.logging import get_logger
 from aiserve.common.paths import model_store_path
 from aiserve.common.protocol import MAX_MUX_STREAMS
-from aiserve.common.server import ServiceHandle, new_server, run_service
+from aiserve.common.server import ServiceHandle, log_startup, new_server, run_service
 from aiserve.common.status import code_number
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import common_pb2, status_pb2, tokenizer_pb2, tokenizer_pb2_grpc
@@ -207,6 +207,7 @@ async def create_server(config: TokenizerConfig) -> ServiceHandle:
     The model is loaded before any port is bound, so a bad model never serves.
     """
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
+    log_startup("loaded")
     handle = new_server("tokenizer", [SERVICE_NAME], config.host, config.port)
     handle.servicer = servicer = TokenizerServicer(tokenizer)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, handle.server)
