@@ -28,7 +28,7 @@ from prometheus_client import Gauge, GCCollector, PlatformCollector, ProcessColl
 from prometheus_client.registry import CollectorRegistry
 
 from aiserve.common.interceptors import RpcMetrics, ServerInterceptor
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.protocol import MAX_MESSAGE_BYTES
 from aiserve.v1 import status_pb2, status_pb2_grpc
 
@@ -164,26 +164,6 @@ def rss_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux /proc, 10 ms resolution; 0.0 elsewhere)."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            uptime_s = float(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0
-    return max(0.0, uptime_s - start_ticks / os.sysconf("SC_CLK_TCK"))
-
-
-def log_startup(phase: str, **fields: object) -> None:
-    """One ``startup`` log line for a phase of the process's start ("imported", "loaded",
-    "warmed", ...) with the seconds since the process started and the CPU seconds it has used
-    (``bench/cold_start.py`` reads them, with the ``health_changed`` line that reports SERVING)."""
-    log.info("startup", phase=phase, process_age_s=round(process_age_s(), 3),
-             cpu_s=round(time.process_time(), 3), **fields)
 
 
 def new_server(name: str, service_names: Sequence[str], host: str, port: int) -> ServiceHandle:

@@ -18,9 +18,9 @@ from grpc import aio
 
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.finish import STORABLE, FinishReason
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.pb_enums import finish_reason_from_pb, finish_reason_to_pb
-from aiserve.common.server import ServiceHandle, log_startup, new_server, run_service
+from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import cache_pb2, cache_pb2_grpc
 from services.cache.config import CacheConfig
 from services.cache.embedder import Embedder, Vector

@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 
 from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
-from aiserve.common.logging import get_logger
-from aiserve.common.server import ServiceHandle, log_startup, new_server, rss_bytes, run_service
+from aiserve.common.logging import get_logger, log_startup
+from aiserve.common.server import ServiceHandle, new_server, rss_bytes, run_service
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc, status_pb2
 from services.inference.batch_engine import BatchEngine

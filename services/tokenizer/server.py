@@ -16,10 +16,10 @@ from grpc import aio
 
 from aiserve.common.context import current_request_id
 from aiserve.common.errors import ApiError, FailedPrecondition, NotFound, ResourceExhausted
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.paths import model_store_path
 from aiserve.common.protocol import MAX_MUX_STREAMS
-from aiserve.common.server import ServiceHandle, log_startup, new_server, run_service
+from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.common.status import code_number
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import common_pb2, status_pb2, tokenizer_pb2, tokenizer_pb2_grpc
