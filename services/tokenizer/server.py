@@ -193,11 +193,13 @@ class _MuxStream:
 
 
 def load_tokenizer(config: TokenizerConfig) -> ModelTokenizer:
-    """Verify ``config.model`` in the store (every file's sha256) and load its tokenizer.
+    """Verify ``config.model`` in the store (the sha256 of every file it reads: all but the
+    weights, which the inference service verifies) and load its tokenizer.
 
     Raises ModelStoreError when the model is missing, tampered with or malformed.
     """
-    folder, manifest = ModelStore(model_store_path(config.model_store)).load_path(ModelRef.parse(config.model))
+    store = ModelStore(model_store_path(config.model_store))
+    folder, manifest = store.load_path(ModelRef.parse(config.model), weights=False)
     return ModelTokenizer.from_folder(folder, manifest)
 
 
