@@ -35,11 +35,6 @@ from services.inference.torch_thread import in_fresh_thread
 log = get_logger("inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-LOAD_TORCH_THREADS = 1
-"""torch threads that load the model and allocate the KV cache. At start the suite's other
-services load beside this one; on a 2-core machine two OpenMP threads then wait on each other
-at every parallel region (one of them is often off its core), which made loading 3-10x slower
-than one thread (docs/decisions.md, decision 53). Serving uses ``torch_threads``."""
 
 
 class EngineCollector(Collector):
@@ -175,10 +170,8 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     server. ModelStoreError propagates (missing or tampered model)."""
     folder, manifest = ModelStore(config.model_store_path()).load_path(ModelRef.parse(config.model))
     log_startup("verified")
-    # torch runs on one thread per process (torch_thread.py): load on a thread that then exits,
-    # with one torch thread (LOAD_TORCH_THREADS)
-    engine = await in_fresh_thread(lambda: build_engine(config, folder), name="model-load",
-                                   threads=LOAD_TORCH_THREADS)
+    # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
+    engine = await in_fresh_thread(lambda: build_engine(config, folder), name="model-load")
     log_startup("loaded")
     c = engine.model.config
     model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), config.dtype,

@@ -31,23 +31,17 @@ def adopt_thread_count() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
-def run_in_fresh_thread(fn: Callable[[], T], name: str = "torch-once", threads: int = 0) -> T:
-    """Run ``fn`` on a new thread that exits when it returns; re-raise what it raised.
-
-    ``threads`` > 0: ``fn`` runs on that many torch threads, and the process's count is put
-    back when it returns (0: the process's count)."""
+def run_in_fresh_thread(fn: Callable[[], T], name: str = "torch-once") -> T:
+    """Run ``fn`` on a new thread that exits when it returns; re-raise what it raised."""
     result: list[T] = []
     error: list[BaseException] = []
 
     def target() -> None:
-        process_threads = torch.get_num_threads()
-        torch.set_num_threads(threads or process_threads)
+        adopt_thread_count()
         try:
             result.append(fn())
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             error.append(exc)
-        finally:
-            torch.set_num_threads(process_threads)
 
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
@@ -57,6 +51,6 @@ def run_in_fresh_thread(fn: Callable[[], T], name: str = "torch-once", threads: 
     return result[0]
 
 
-async def in_fresh_thread(fn: Callable[[], T], name: str = "torch-once", threads: int = 0) -> T:
+async def in_fresh_thread(fn: Callable[[], T], name: str = "torch-once") -> T:
     """``run_in_fresh_thread`` without blocking the event loop (an executor thread only waits)."""
-    return await asyncio.to_thread(run_in_fresh_thread, fn, name, threads)
+    return await asyncio.to_thread(run_in_fresh_thread, fn, name)

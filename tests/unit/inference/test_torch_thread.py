@@ -48,14 +48,3 @@ def test_async_variant_keeps_the_loop_running() -> None:
         return released, ticks
 
     assert asyncio.run(main()) == (True, 1)
-
-
-def test_a_thread_count_of_its_own_is_put_back_after() -> None:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        assert run_in_fresh_thread(torch.get_num_threads, threads=1) == 1
-        assert torch.get_num_threads() == 2
-        assert run_in_fresh_thread(torch.get_num_threads) == 2
-    finally:
-        torch.set_num_threads(before)
