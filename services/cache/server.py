@@ -21,7 +21,7 @@ from grpc import aio
 
 from aiserve.common.errors import InvalidArgument
 from aiserve.common.finish import STORABLE, FinishReason
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.pb_enums import finish_reason_from_pb, finish_reason_to_pb
 from aiserve.common.server import ServiceHandle, new_server, run_service
 from aiserve.v1 import cache_pb2, cache_pb2_grpc
@@ -266,7 +266,9 @@ async def create_server(
     faiss.omp_set_num_threads(config.index_threads)
     if embedder is None:
         embedder = await asyncio.to_thread(Embedder, config.embedding_device, config.embedding_threads)
+    log_startup("loaded")
     await asyncio.to_thread(embedder.encode_one, "warm-up")  # first forward pass allocates
+    log_startup("warmed")
     metrics = CacheMetrics() if metrics is None else metrics
     cache = await asyncio.to_thread(open_semantic_cache, config, embedder.model_id, embedder.dim,
                                     metrics.count_removal)

@@ -23,7 +23,8 @@ import torch
 
 from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from aiserve.common.finish import FinishReason
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
+from services.inference.draft_planning import max_logit_rows
 from services.inference.engine_config import EngineConfig
 from services.inference.engine_stats import EngineStats, engine_stats
 from services.inference.health_probe import LoopWakers, ModelProbe, ProbeCall, ProbeCalls, settle_all
@@ -216,7 +217,9 @@ class BatchEngine:
         """The worker thread: build the CPU kernels, then step while there is work."""
         adopt_thread_count()
         try:  # on this thread only (the one torch thread); a failure only leaves kernels to build later
-            self.model.prepare_kernels(self.scheduler.config.max_num_batched_tokens)
+            cfg = self.scheduler.config
+            self.model.prepare_kernels(cfg.max_num_batched_tokens, max_logit_rows(cfg, self.scheduler.capacity))
+            log_startup("kernels")
         except Exception:  # noqa: BLE001
             log.exception("prepare_kernels_failed")
         with torch.inference_mode():

@@ -19,6 +19,13 @@ def draft_room(config: SchedulerConfig, num_tokens: int) -> int:
     return max(0, min(left, config.speculative_max_step_tokens - num_tokens))
 
 
+def max_logit_rows(config: SchedulerConfig, num_slots: int) -> int:
+    """The most logits rows one step asks for: one per sequence (at most ``num_slots``), and in a
+    step that drafts, one per token of it (at most ``speculative_max_step_tokens``)."""
+    drafting = config.speculative_max_step_tokens if config.num_speculative_tokens else 0
+    return min(config.max_num_batched_tokens, max(num_slots, drafting))
+
+
 def add_drafts(chunks: list[ScheduledChunk], max_drafts: int, room: int) -> None:
     """Give decoding sequences with a drafter up to ``max_drafts`` drafts each, in the chunks'
     order, within ``room`` tokens, by replacing their chunks in place. Drafts never pass a

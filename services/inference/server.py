@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.server import ServiceHandle, new_server, rss_bytes, run_service
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc, status_pb2
@@ -185,17 +185,20 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     """Verify and load the model, start and warm up the engine, and build the (unstarted)
     server. ModelStoreError propagates (missing or tampered model)."""
     folder, manifest = ModelStore(config.model_store_path()).load_path(ModelRef.parse(config.model))
+    log_startup("verified")
     precision = machine_precision(config)
     log.info("precision_chosen", cpu=precision.cpu, cpu_flags=list(precision.cpu_flags), weights=precision.weights,
              matmul=precision.matmul, kv=precision.kv, reason=precision.reason)
     # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
     engine = await in_fresh_thread(lambda: build_engine(config, folder, precision), name="model-load")
+    log_startup("loaded")
     c = engine.model.config
     model = ModelInfo(manifest.ref, manifest.tokenizer_sha256, str(engine.model.device), precision,
                       engine.scheduler.slot_len, c.vocab_size, engine.eos_ids)
     engine.start()
     try:
         await warm_up(engine)
+        log_startup("warmed")
         handle = new_server("inference", [SERVICE_NAME], config.host, config.port)
     except BaseException:
         await engine.stop()

@@ -16,7 +16,7 @@ from grpc import aio
 
 from aiserve.common.context import current_request_id
 from aiserve.common.errors import ApiError, FailedPrecondition, NotFound, ResourceExhausted
-from aiserve.common.logging import get_logger
+from aiserve.common.logging import get_logger, log_startup
 from aiserve.common.paths import model_store_path
 from aiserve.common.protocol import MAX_MUX_STREAMS
 from aiserve.common.server import ServiceHandle, new_server, run_service
@@ -193,11 +193,13 @@ class _MuxStream:
 
 
 def load_tokenizer(config: TokenizerConfig) -> ModelTokenizer:
-    """Verify ``config.model`` in the store (every file's sha256) and load its tokenizer.
+    """Verify ``config.model`` in the store (the sha256 of every file it reads: all but the
+    weights, which the inference service verifies) and load its tokenizer.
 
     Raises ModelStoreError when the model is missing, tampered with or malformed.
     """
-    folder, manifest = ModelStore(model_store_path(config.model_store)).load_path(ModelRef.parse(config.model))
+    store = ModelStore(model_store_path(config.model_store))
+    folder, manifest = store.load_path(ModelRef.parse(config.model), weights=False)
     return ModelTokenizer.from_folder(folder, manifest)
 
 
@@ -207,6 +209,7 @@ async def create_server(config: TokenizerConfig) -> ServiceHandle:
     The model is loaded before any port is bound, so a bad model never serves.
     """
     tokenizer = await asyncio.to_thread(load_tokenizer, config)
+    log_startup("loaded")
     handle = new_server("tokenizer", [SERVICE_NAME], config.host, config.port)
     handle.servicer = servicer = TokenizerServicer(tokenizer)
     tokenizer_pb2_grpc.add_TokenizerServicer_to_server(servicer, handle.server)

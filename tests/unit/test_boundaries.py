@@ -22,6 +22,9 @@ GATEWAY_CORE = tuple(f"services.gateway.{name}" for name in (
     "interfaces", "judge_config", "ledger", "limits", "metrics", "pipeline", "pricing", "replicas", "route_store",
     "route_table", "stops", "targets", "tenants", "validation", "version_window"))
 """The gateway's modules without grpc or pb (docs/gateway.md, "Core and edge")."""
+HEAVY = ("torch", "transformers", "sentence_transformers", "sklearn", "scipy")
+"""What a service that does not run a model must not import: each costs CPU seconds at start,
+while the inference service loads its model beside it (README, "Cold start")."""
 
 _PROBE = """
 import importlib, json, sys
@@ -50,7 +53,8 @@ def offenders(loaded: set[str], forbidden: tuple[str, ...]) -> list[str]:
     (("services.cache.semantic", "services.cache.guard"), EDGES),
     (("services.gateway.pipeline",), EDGES + PB),
     (GATEWAY_CORE, EDGES + PB),
-], ids=["inference-scheduler", "cache-matching", "gateway-pipeline", "gateway-core"])
+    (("services.gateway.server", "services.tokenizer.server"), HEAVY),
+], ids=["inference-scheduler", "cache-matching", "gateway-pipeline", "gateway-core", "no-model-servers"])
 def test_core_modules_import_no_edge(modules: tuple[str, ...], forbidden: tuple[str, ...]) -> None:
     loaded = loaded_by(modules)
     assert set(modules) <= loaded  # the probe did import them

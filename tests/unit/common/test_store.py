@@ -60,6 +60,26 @@ def test_tampered_or_missing_file_is_refused(tmp_path: Path, store: ModelStore, 
         other.verify(ModelRef("absent", "1"))
 
 
+def test_verify_without_weights_hashes_all_but_the_weights(tmp_path: Path, store: ModelStore,
+                                                          model_ref: ModelRef) -> None:
+    other = ModelStore(tmp_path)
+    folder = other.path(model_ref)
+    _linked_copy(store.path(model_ref), folder)
+    weights = folder / "model.safetensors"
+    weights.unlink()
+    weights.write_bytes(b"not the weights")  # a different file of another size
+    assert other.verify(model_ref, weights=False).ref == model_ref
+    with pytest.raises(ModelStoreError, match="model.safetensors does not match its manifest"):
+        other.load_path(model_ref)
+    tokenizer = folder / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + " ")
+    with pytest.raises(ModelStoreError, match="tokenizer.json does not match its manifest"):
+        other.load_path(model_ref, weights=False)
+    weights.unlink()
+    with pytest.raises(ModelStoreError, match="model.safetensors listed in the manifest is missing"):
+        other.verify(model_ref, weights=False)
+
+
 def test_import_a_local_hugging_face_folder(tmp_path: Path, store: ModelStore, model_ref: ModelRef) -> None:
     source = tmp_path / "hf"
     _linked_copy(store.path(model_ref), source)

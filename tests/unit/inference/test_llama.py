@@ -259,4 +259,5 @@ def test_prepare_kernels_runs_every_packed_shape_at_every_bucket(model_dir: Path
     if not model.packed_weights:
         pytest.skip("this CPU has no bf16 units: nothing is packed")
     assert model.prepare_kernels(512) == 5 * 48  # lm_head, qkv, o, gate_up, down
+    assert model.prepare_kernels(512, max_logit_rows=64) == 4 * 48 + 36  # the lm_head up to 64 rows
     assert LlamaModel.load(model_dir, CPU, torch.float32).prepare_kernels(512) == 0
