@@ -9,7 +9,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +73,29 @@ async def consume(call: Any, started: float, count: Any) -> Timing:
     timing.total_ms = (time.perf_counter() - started) * 1000
     timing.decode_ms = (last - started) * 1000 - timing.ttft_ms if timing.tokens else 0.0
     return timing
+
+
+async def run_schedule(work: Sequence[Any], concurrency: int, one: Callable[[Any], Awaitable[Timing]]
+                       ) -> dict[str, Any]:
+    """Each arrival of ``work`` (``at_s``: seconds from the start) through ``one``, at most
+    ``concurrency`` at a time; throughput and latency. TTFT includes the wait at the gate."""
+    gate = asyncio.Semaphore(concurrency)
+    t0 = time.perf_counter()
+
+    async def at(a: Any) -> Timing:
+        await asyncio.sleep(max(0.0, a.at_s - (time.perf_counter() - t0)))  # the arrival schedule
+        async with gate:
+            timing = await one(a)
+        timing.ttft_ms += (time.perf_counter() - t0 - a.at_s) * 1000 - timing.total_ms  # queue at the gate
+        return timing
+
+    timings = await asyncio.gather(*(at(a) for a in work))
+    seconds = time.perf_counter() - t0
+    tokens = sum(t.tokens for t in timings)
+    return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "ttft": percentiles([t.ttft_ms for t in timings]),
+            "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
+            "time_per_token": tpot(timings)}
 
 
 def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

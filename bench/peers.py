@@ -24,7 +24,6 @@ CPU (model, flags, cores) and both sides' settings.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import random
 import socket
 import tempfile
@@ -38,7 +37,7 @@ from grpc import aio
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
-from bench.measure import RESULTS, Timing, machine, median_run, percentiles, run_and_write, tpot
+from bench.measure import RESULTS, Timing, machine, median_run, run_and_write, run_schedule
 from bench.openai_stream import chat_stream
 from bench.served import Served, start_suite
 from bench.vllm_peer import VllmServer, VllmSettings, install
@@ -63,23 +62,11 @@ def mixed_workload(n: int, spread_s: float) -> list[Arrival]:
 async def run_vllm(server: VllmServer, work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
     """``work`` against the peer's OpenAI server, ``concurrency`` at a time: the same figures as
     ``Served.run``."""
-    gate = asyncio.Semaphore(concurrency)
-    t0 = time.perf_counter()
-
-    async def at(a: Arrival) -> Timing:
-        await asyncio.sleep(max(0.0, a.at_s - (time.perf_counter() - t0)))  # the arrival schedule
-        async with gate:
-            timing, _ = await chat_stream("127.0.0.1", server.port, server.model_name, a.text, a.max_new, TIMEOUT_S)
-        timing.ttft_ms += (time.perf_counter() - t0 - a.at_s) * 1000 - timing.total_ms  # queue at the gate
+    async def one(a: Arrival) -> Timing:
+        timing, _ = await chat_stream("127.0.0.1", server.port, server.model_name, a.text, a.max_new, TIMEOUT_S)
         return timing
 
-    timings = await asyncio.gather(*(at(a) for a in work))
-    seconds = time.perf_counter() - t0
-    tokens = sum(t.tokens for t in timings)
-    return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "ttft": percentiles([t.ttft_ms for t in timings]),
-            "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
-            "time_per_token": tpot(timings)}
+    return await run_schedule(work, concurrency, one)
 
 
 async def aiserve_answer(served: Served) -> str:

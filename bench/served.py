@@ -3,7 +3,6 @@ in) or straight at the inference service (ids in), on an arrival schedule."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +12,7 @@ from grpc import aio
 
 from aiserve.store import ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
-from bench.measure import Timing, consume, percentiles, tpot
+from bench.measure import Timing, consume, run_schedule
 from bench.workload import Arrival
 from suite.runner import Suite, SuiteConfig
 
@@ -42,24 +41,8 @@ class Served:
         return await consume(call, started, lambda m: len(m.token_ids))
 
     async def run(self, work: Sequence[Arrival], via: str, concurrency: int | None = None) -> dict[str, Any]:
-        gate = asyncio.Semaphore(concurrency or len(work))
         async with aio.insecure_channel(self.suite.config.address(via)) as channel:
-            t0 = time.perf_counter()
-
-            async def at(a: Arrival) -> Timing:
-                await asyncio.sleep(max(0.0, a.at_s - (time.perf_counter() - t0)))  # the arrival schedule
-                async with gate:
-                    timing = await self.one(a, via, channel)
-                timing.ttft_ms += (time.perf_counter() - t0 - a.at_s) * 1000 - timing.total_ms  # queue at the gate
-                return timing
-
-            timings = await asyncio.gather(*(at(a) for a in work))
-            seconds = time.perf_counter() - t0
-        tokens = sum(t.tokens for t in timings)
-        return {"requests": len(work), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                "ttft": percentiles([t.ttft_ms for t in timings]),
-                "inter_token": percentiles([g for t in timings for g in t.gaps_ms] or [0.0]),
-                "time_per_token": tpot(timings)}
+            return await run_schedule(work, concurrency or len(work), lambda a: self.one(a, via, channel))
 
 
 async def start_suite(home: Path, store: ModelStore, env: dict[str, str] | None = None,
