@@ -7,7 +7,7 @@ between every parallel region, of which a decode step has hundreds) the torch th
 while the gateway, the tokenizer or a neighbour holds the other core, and a 64-stream run on
 the 2-core VM fell from ~840 to 23-59 tokens/s in some runs; bounded at 20,000 it held 823-842
 and lost nothing on a quiet machine, while a passive wait (no spinning) cost 25-30%
-(docs/engine.md, "Threads under contention"; decision 54). A value set in the environment wins.
+(docs/engine.md, "Threads under contention"; decision 53). A value set in the environment wins.
 """
 
 import os
