@@ -42,7 +42,8 @@ bench: model
 	$(PY) -m bench.run
 
 lock:
-	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' > requirements.lock.new
+	sed -n '/^#/p;/^[^#]/q' requirements.lock > requirements.lock.new
+	$(PY) -m pip freeze --exclude-editable | sed 's/^torch==\(.*\)+cpu$$/torch==\1/' >> requirements.lock.new
 	mv requirements.lock.new requirements.lock
 
 clean:
