@@ -6,7 +6,7 @@ Pooling with mean tokens, Normalize), in the same float32 torch operations; the 
 compare the two. Doing it here spares the service importing sentence-transformers and
 transformers (with scikit-learn and scipy): ~2.5 CPU seconds at every start, on a 2-core
 machine where the inference service loads its model at the same time (docs/decisions.md,
-decision 53). Blocking and not thread-safe: ``embedder.Embedder`` serialises the calls.
+decision 54). Blocking and not thread-safe: ``embedder.Embedder`` serialises the calls.
 """
 
 from __future__ import annotations
