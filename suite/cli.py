@@ -109,11 +109,13 @@ async def _run(suite: Suite, timeout_s: float) -> int:
 def _banner(suite: Suite, seconds: float) -> str:
     config, key_file = suite.config, suite.dev_key_path
     gateway = config.address("gateway")
+    http = config.http_address()
+    http_line = f"\n  http:     {http}/v1  (OpenAI-compatible; GET {http}/health)" if http else ""
     replicas = "".join(f"\n  {name}:  {config.address(name)}" for name in suite.inference_names
                        if len(suite.inference_names) > 1)
     return (
         f"aiserve is SERVING after {seconds:.1f}s\n"
-        f"  gateway:  {gateway}  (aiserve.v1.Gateway; reflection enabled){replicas}\n"
+        f"  gateway:  {gateway}  (aiserve.v1.Gateway; reflection enabled){http_line}{replicas}\n"
         f"  try:      .venv/bin/aiserve chat \"What is the capital of France?\"\n"
         f"  or:       grpcurl -plaintext -H \"authorization: Bearer $(cat {key_file})\" "
         f"-d '{{\"prompt\":\"Hello\"}}' {gateway} aiserve.v1.Gateway/Generate\n"

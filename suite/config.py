@@ -36,6 +36,7 @@ DEFAULT_METRICS_PORTS = {name: cls().metrics_port for name, cls in SERVICE_CONFI
 REPLICA_PORT_STEP = 10
 """Replica i of a service listens on the service's port + 10 * i (50053, 50063, ...)."""
 REPLICAS_ENV = "AISERVE_INFERENCE_REPLICAS"
+HTTP_PORT_ENV = "AISERVE_GATEWAY_HTTP_PORT"
 
 
 def service_of(instance: str) -> str:
@@ -60,6 +61,9 @@ class SuiteConfig:
     per replica (``inference-i``: the port + 10 * i)."""
     metrics_ports: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_METRICS_PORTS))
     """Metrics port of each instance, spread over the replicas like ``ports``."""
+    http_port: int = GatewayConfig().http_port
+    """The gateway's OpenAI-compatible HTTP port; 0 = off; -1 = a free one, which the suite
+    writes here once the gateway announces it (so that a restarted gateway binds it again)."""
     inference_threads: int = 0
     """torch threads of each inference instance; 0 = the cores split evenly between the
     replicas (at least one each). The other services get one thread."""
@@ -98,14 +102,15 @@ class SuiteConfig:
                 metrics_ports[name] = int(port)
         if inference_replicas is None:
             inference_replicas = int(environ.get(REPLICAS_ENV) or 1)
+        http_port = int(environ.get(HTTP_PORT_ENV) or GatewayConfig().http_port)
         return cls(home=aiserve_home(environ).resolve(), ports=ports, metrics_ports=metrics_ports,
-                   inference_replicas=inference_replicas)
+                   http_port=http_port, inference_replicas=inference_replicas)
 
     @classmethod
     def for_tests(cls, home: Path, inference_replicas: int = 1) -> SuiteConfig:
         """Every instance on a port of its own choosing, no metrics endpoints."""
         return cls(home=home, ports=dict.fromkeys(SERVICES, 0), metrics_ports=dict.fromkeys(SERVICES, 0),
-                   inference_replicas=inference_replicas)
+                   http_port=-1, inference_replicas=inference_replicas)
 
     @property
     def inference_names(self) -> tuple[str, ...]:
@@ -168,4 +173,11 @@ class SuiteConfig:
             env[prefix + "INFERENCE_ADDRESS"] = self.inference_target()
             env[prefix + "CACHE_ADDRESS"] = self.address("cache")
             env[prefix + "ADMIN_KEY_PATH"] = str(self.admin_key_path)
+            env[HTTP_PORT_ENV] = str(self.http_port)
         return env
+
+    def http_address(self) -> str:
+        """``http://127.0.0.1:<port>`` of the gateway's HTTP API ("" when it is off)."""
+        if self.http_port < 0:
+            raise LookupError("the gateway has not announced its HTTP port yet (start it first)")
+        return f"http://127.0.0.1:{self.http_port}" if self.http_port else ""

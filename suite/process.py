@@ -43,6 +43,13 @@ def spawn_service(name: str, env: Mapping[str, str], log: IO[bytes]) -> tuple[su
 async def read_announced_port(read_fd: int) -> int | None:
     """The port a child announces on ``read_fd`` (which this closes), or None when it exited
     without announcing one."""
+    ports = await read_announced_ports(read_fd)
+    return ports[0] if ports else None
+
+
+async def read_announced_ports(read_fd: int) -> tuple[int, ...]:
+    """Every port a child announces on ``read_fd`` (which this closes): its gRPC port first,
+    then any other (the gateway's HTTP port); () when it exited without announcing."""
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader()
     pipe = os.fdopen(read_fd, "rb", buffering=0)
@@ -55,7 +62,7 @@ async def read_announced_port(read_fd: int) -> int | None:
         line = await reader.readline()
     finally:
         transport.close()
-    return int(line) if line.strip() else None
+    return tuple(int(word) for word in line.split())
 
 
 async def wait_exit(process: subprocess.Popen[bytes]) -> int:

@@ -31,7 +31,7 @@ from aiserve.common.server import wait_for_serving
 from services.gateway.admin_key import ensure_admin_key
 from services.gateway.tenants import ensure_dev_key
 from suite.config import BACKENDS, SERVICE_CONFIGS, SERVICES, SuiteConfig, service_of
-from suite.process import read_announced_port, spawn_service, wait_exit
+from suite.process import read_announced_ports, spawn_service, wait_exit
 from suite.supervisor import Supervisor
 from suite.version_instances import stop_all_versions
 
@@ -98,11 +98,13 @@ class Suite:
 
     async def _bound(self, name: str, timeout_s: float) -> None:
         process = self.processes[name]
-        port = await asyncio.wait_for(read_announced_port(self._announcements.pop(name)), timeout_s)
-        if port is None:
+        ports = await asyncio.wait_for(read_announced_ports(self._announcements.pop(name)), timeout_s)
+        if not ports:
             await wait_exit(process)
             raise self._exited(name, process)
-        self.config.ports[name] = port
+        self.config.ports[name] = ports[0]
+        if name == "gateway" and self.config.http_port and len(ports) > 1:
+            self.config.http_port = ports[1]
 
     async def wait_serving(self, names: tuple[str, ...] | None = None, timeout_s: float = 300) -> None:
         """Wait until each named instance (default: all) is SERVING; fail fast if one exits."""

@@ -69,6 +69,10 @@ class ServiceHandle:
     """``aiserve_rpc_*`` of this server (the interceptor's; multiplexed calls count streams)."""
     servicer: object | None = None
     """The service's own servicer, once registered (tests look inside it)."""
+    on_start: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run once the gRPC server has started (e.g. the gateway's HTTP server begins accepting)."""
+    extra_ports: tuple[int, ...] = ()
+    """Other ports this service has bound (the gateway's HTTP port), announced after ``port``."""
     on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     on_stopping: list[Callable[[], None]] = field(default_factory=list)
     """Run when stopping begins, before in-flight RPCs get their grace period (e.g. tell
@@ -111,6 +115,8 @@ class ServiceHandle:
         # grpc's HealthServicer reports "" as SERVING from birth; stay NOT_SERVING until warm.
         await self.set_serving(False, "starting")
         await self.server.start()
+        for begin in self.on_start:
+            await begin()
         self.started_at = time.monotonic()
 
     async def begin_serving(self) -> None:
@@ -189,8 +195,9 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
     return handle
 
 
-def announce_port(fd: int, port: int) -> None:
-    """Write ``port`` as one line to the file descriptor ``fd`` and close it (``fd`` -1: nothing).
+def announce_port(fd: int, port: int, *extra_ports: int) -> None:
+    """Write ``port`` (then any ``extra_ports``, space-separated) as one line to the file
+    descriptor ``fd`` and close it (``fd`` -1: nothing).
 
     The suite runner passes the write end of a pipe (setting ``announce_fd``) to a service it
     starts on port 0 and reads the port the service bound from the other end; end-of-file
@@ -199,7 +206,7 @@ def announce_port(fd: int, port: int) -> None:
     if fd < 0:
         return
     try:
-        os.write(fd, f"{port}\n".encode())
+        os.write(fd, (" ".join(str(p) for p in (port, *extra_ports)) + "\n").encode())
     finally:
         os.close(fd)
 
@@ -223,7 +230,7 @@ async def serve(
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await handle.start()
-    announce_port(announce_fd, handle.port)
+    announce_port(announce_fd, handle.port, *handle.extra_ports)
     if warmup is not None:
         await warmup()
     await handle.begin_serving()

@@ -74,9 +74,11 @@ class Accounting:
             raise Unauthenticated("authorization: unknown or revoked API key")
         return Caller(tenant, tenant.plan(self.tiers))
 
-    def account(self, api: str, request_id: str, traceparent: str, timeout_s: float | None) -> RequestAccount:
-        """A new account for one Generate/Complete call (``timeout_s``: the client's deadline)."""
-        return RequestAccount(self, api, request_id, traceparent, timeout_s)
+    def account(self, api: str, request_id: str, traceparent: str, timeout_s: float | None,
+                user: str = "") -> RequestAccount:
+        """A new account for one Generate/Complete call (``timeout_s``: the client's deadline;
+        ``user``: the caller's own end-user id, recorded in the row)."""
+        return RequestAccount(self, api, request_id, traceparent, timeout_s, user)
 
     async def usage(self, caller: Caller, since_ms: int | None, until_ms: int | None) -> tuple[Totals, list[Bucket]]:
         """The caller's own totals, and totals by day and model, for the period."""
@@ -99,9 +101,9 @@ class RequestAccount:
     """The accounting of one call. Use as ``async with``: exactly one ledger row comes out."""
 
     def __init__(self, accounting: Accounting, api: str, request_id: str, traceparent: str,
-                 timeout_s: float | None) -> None:
+                 timeout_s: float | None, user: str = "") -> None:
         self._acc = accounting
-        self.api, self.request_id, self.traceparent = api, request_id, traceparent
+        self.api, self.request_id, self.traceparent, self.user = api, request_id, traceparent, user
         self.started = time.monotonic()
         self.deadline = None if timeout_s is None else self.started + timeout_s
         self.caller: Caller | None = None
@@ -195,5 +197,5 @@ class RequestAccount:
             completion_tokens=self.completion_tokens, cache_hit=cache_hit, queue_ms=queue_ms, ttft_ms=ttft_ms,
             total_ms=total_ms, compute_ms=compute_ms, kv_peak_bytes=kv_peak_bytes,
             cost_micros=cost, traceparent=self.traceparent, ended_at_ms=int(time.time() * 1000),
-            cache_entry_id=cache_entry_id, cache_similarity=cache_similarity,
+            cache_entry_id=cache_entry_id, cache_similarity=cache_similarity, user=self.user,
         )

@@ -23,6 +23,13 @@ class GatewayConfig(ServiceConfig):
     port: int = 50051
     """Public gRPC port."""
     metrics_port: int = 9101
+    http_port: int = 8000
+    """Port of the OpenAI-compatible HTTP API (docs/http.md), on ``host``, served in the gateway's
+    own process; 0 = off; -1 = a free port, announced after the gRPC port (the tests' suites)."""
+    http_max_body_bytes: int = 1_048_576
+    """Largest HTTP request body; a longer one is refused with 413 before it is parsed."""
+    http_max_choices: int = 8
+    """Largest ``n`` (choices) of one HTTP request; each choice is its own generation."""
     tokenizer_address: str = "127.0.0.1:50052"
     """The tokenizer's replicas, a gRPC target: host:port (one), ipv4:a:port,b:port (these), or
     dns:///name:port (every address the name resolves to, asked every resolve_interval_s)."""
@@ -148,6 +155,10 @@ class GatewayConfig(ServiceConfig):
                 f"resolve_interval_s: must be in (0, 3600], got {self.resolve_interval_s}")
         require(is_model_ref(self.default_model),
                 f"default_model: must be 'name@version', got {self.default_model!r}")
+        require(-1 <= self.http_port <= 65535, f"http_port: must be -1..65535 (0 = off), got {self.http_port}")
+        require(1024 <= self.http_max_body_bytes <= 1 << 30,
+                f"http_max_body_bytes: must be 1024..{1 << 30}, got {self.http_max_body_bytes}")
+        require(1 <= self.http_max_choices <= 128, f"http_max_choices: must be 1..128, got {self.http_max_choices}")
         require(self.fingerprint_ttl_s >= 0, f"fingerprint_ttl_s: must be >= 0, got {self.fingerprint_ttl_s}")
         require(0 < self.downstream_timeout_s <= 86_400,
                 f"downstream_timeout_s: must be in (0, 86400], got {self.downstream_timeout_s}")

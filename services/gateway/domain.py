@@ -37,6 +37,20 @@ class GatewayRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class CallInfo:
+    """What a generation needs to know of the call that carries it, whichever door it came in by."""
+
+    authorization: str
+    """The ``authorization`` metadata or header ("Bearer <API key>")."""
+    session: str = ""
+    """The x-aiserve-session value ("" = none)."""
+    timeout_s: float | None = None
+    """The client's remaining deadline (None = the default)."""
+    user: str = ""
+    """The caller's end-user id, recorded in the ledger row."""
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """Text that became available, and the ids behind it."""
 

@@ -27,7 +27,7 @@ from aiserve.common.logging import get_logger
 
 log = get_logger("ledger")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +58,8 @@ class UsageRow:
     cache_entry_id: str = ""
     """On a cache hit: the cache entry that answered."""
     cache_similarity: float = 0.0
+    user: str = ""
+    """The caller's own end-user id (OpenAI's ``user`` over HTTP); "" when it sent none."""
 
     @property
     def day(self) -> str:
@@ -66,7 +68,7 @@ class UsageRow:
 
 COLUMNS = tuple(f.name for f in fields(UsageRow))
 
-_SCHEMA = f"""
+_SCHEMA = """
 CREATE TABLE IF NOT EXISTS usage (
     id INTEGER PRIMARY KEY,
     request_id TEXT NOT NULL, tenant TEXT NOT NULL, api TEXT NOT NULL, model TEXT NOT NULL,
@@ -89,8 +91,12 @@ CREATE TABLE IF NOT EXISTS feedback (
     created_at_ms INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS feedback_by_tenant_request ON feedback(tenant, request_id);
-PRAGMA user_version = {SCHEMA_VERSION};
 """
+_MIGRATIONS: dict[int, str] = {
+    2: "ALTER TABLE usage ADD COLUMN user TEXT NOT NULL DEFAULT '';",
+}
+"""The DDL that brings a ledger of version N - 1 to version N (``PRAGMA user_version``). A new
+file gets the version 1 tables, then every step, so that old and new files end up the same."""
 _INSERT_USAGE = f"INSERT INTO usage ({', '.join(COLUMNS)}, day) VALUES ({', '.join('?' * (len(COLUMNS) + 1))})"
 
 
@@ -192,7 +198,7 @@ class Ledger(LedgerReader):
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = connect(path)
-        self._db.executescript(_SCHEMA)
+        _migrate(self._db)
         super().__init__(path)
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="ledger-writer", daemon=True)
@@ -253,6 +259,20 @@ class Ledger(LedgerReader):
         for _, _, done in batch:
             if done.set_running_or_notify_cancel():  # False: nobody waits for it any more
                 done.set_result(None)
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    """Create the tables (version 1) if missing, then apply each migration the file lacks, each
+    in its own transaction with its version."""
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    if version == 0:
+        db.executescript(f"BEGIN; {_SCHEMA} PRAGMA user_version = 1; COMMIT;")
+        version = 1
+    if version > SCHEMA_VERSION:
+        raise RuntimeError(f"ledger schema version {version} is newer than this gateway's {SCHEMA_VERSION}")
+    for step in range(version + 1, SCHEMA_VERSION + 1):
+        db.executescript(f"BEGIN; {_MIGRATIONS[step]} PRAGMA user_version = {step}; COMMIT;")
+        log.info("ledger_migrated", version=step)
 
 
 def _row(values: tuple[Any, ...]) -> UsageRow:

@@ -23,7 +23,8 @@ from services.gateway.admin import add_admin
 from services.gateway.backends import Backends
 from services.gateway.canary import CanaryWatch
 from services.gateway.config import GatewayConfig
-from services.gateway.domain import Chunk, Final
+from services.gateway.domain import CallInfo, Chunk, Final
+from services.gateway.http import add_http
 from services.gateway.interfaces import RequestObserver
 from services.gateway.messages import (
     chunk_to_pb,
@@ -50,6 +51,10 @@ def _authorization(context: aio.ServicerContext) -> str:
     return _metadata(context, AUTHORIZATION_KEY)
 
 
+def _call_info(context: aio.ServicerContext) -> CallInfo:
+    return CallInfo(_authorization(context), _metadata(context, SESSION_KEY), context.time_remaining())
+
+
 def _log_finished(final: Final) -> None:
     usage = final.usage
     log.info("generation_finished", finish_reason=final.finish_reason, prompt_tokens=usage.prompt_tokens,
@@ -67,16 +72,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.accounting = accounting
         self.metrics = metrics
 
-    def _account(self, api: str, context: aio.ServicerContext) -> RequestAccount:
-        return self.accounting.account(api, current_request_id(), traceparent_var.get(), context.time_remaining())
+    async def responses(self, api: str, request: gateway_pb2.GenerateRequest, call: CallInfo,
+                        ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        """One generation as the public messages: its chunks, then the last one (with usage)
+        once its ledger row is committed. Generate's body, and the HTTP door's (one pipeline)."""
+        async with self.accounting.account(api, current_request_id(), traceparent_var.get(), call.timeout_s,
+                                           call.user) as account, \
+                aclosing(self._generate(account, request, call)) as items:
+            async for item in items:
+                if isinstance(item, Chunk):
+                    yield chunk_to_pb(item, account.request_id)
+                else:
+                    yield final_to_pb(item, account.request_id)
 
     async def _generate(self, account: RequestAccount, request: gateway_pb2.GenerateRequest,
-                        context: aio.ServicerContext) -> AsyncGenerator[Chunk | Final, None]:
+                        call: CallInfo) -> AsyncGenerator[Chunk | Final, None]:
         """Authenticate, validate, admit, generate; the Final comes after its row is committed."""
-        caller = account.authenticate(_authorization(context))
-        req = account.admit(replace(request_from_pb(request, self.config, account.request_id),
-                                    session=_metadata(context, SESSION_KEY)))
-        async with aclosing(self.pipeline.generate(req, context.time_remaining(), account.reserve)) as items:
+        caller = account.authenticate(call.authorization)
+        req = account.admit(replace(request_from_pb(request, self.config, account.request_id), session=call.session))
+        async with aclosing(self.pipeline.generate(req, call.timeout_s, account.reserve)) as items:
             async for item in items:
                 if isinstance(item, Chunk):
                     account.streamed(len(item.token_ids))
@@ -89,19 +103,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(  # noqa: N802 - gRPC method name
         self, request: gateway_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[gateway_pb2.GenerateResponse]:
-        async with self._account("Generate", context) as account, \
-                aclosing(self._generate(account, request, context)) as items:
-            async for item in items:
-                if isinstance(item, Chunk):
-                    yield chunk_to_pb(item, account.request_id)
-                else:
-                    yield final_to_pb(item, account.request_id)
+        async with aclosing(self.responses("Generate", request, _call_info(context))) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Complete(  # noqa: N802
         self, request: gateway_pb2.GenerateRequest, context: aio.ServicerContext
     ) -> gateway_pb2.CompleteResponse:
-        async with self._account("Complete", context) as account, \
-                aclosing(self._generate(account, request, context)) as items:
+        call = _call_info(context)
+        async with self.accounting.account("Complete", current_request_id(), traceparent_var.get(),
+                                           call.timeout_s) as account, \
+                aclosing(self._generate(account, request, call)) as items:
             chunks: list[Chunk] = []
             final: Final | None = None
             async for item in items:
@@ -163,6 +175,8 @@ async def create_server(config: GatewayConfig, observer: RequestObserver | None 
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, handle.server)
     add_admin(handle, config.admin_key_file(), backends, accounting, observer)
     handle.servicer = servicer
+    if config.http_port:
+        add_http(handle, config, servicer, backends)
     handle.on_close.append(backends.close)  # closed last (on_close runs in reverse)
     handle.on_close.append(accounting.close)
     return handle

@@ -128,6 +128,7 @@ async def other_tokenizer(tmp_path: Path, store: ModelStore, model_ref: ModelRef
 async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_tokenizer: str, tmp_path: Path) -> None:
     config = GatewayConfig(
         port=0,
+        http_port=0,
         metrics_port=0,
         tokenizer_address=other_tokenizer,
         inference_address=suite.config.address("inference"),

@@ -83,7 +83,8 @@ class Fleet:
 def gateway_config(tmp_path: Path, tokenizer: ServiceHandle, inference: list[ServiceHandle],
                    cache_address: str = "", generate_mux: bool = True) -> GatewayConfig:
     return GatewayConfig(
-        port=0, metrics_port=0, default_model=MODEL, cache_address=cache_address, generate_mux=generate_mux,
+        port=0, http_port=0, metrics_port=0, default_model=MODEL,
+        cache_address=cache_address, generate_mux=generate_mux,
         tokenizer_address=f"127.0.0.1:{tokenizer.port}",
         inference_address="ipv4:" + ",".join(f"127.0.0.1:{h.port}" for h in inference),
         keys_path=str(tmp_path / "keys.sqlite3"), ledger_path=str(tmp_path / "ledger.sqlite3"),

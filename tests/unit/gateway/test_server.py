@@ -81,6 +81,7 @@ async def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterat
     backends = fake_backends(seen)
     config = GatewayConfig(
         port=0,
+        http_port=0,
         metrics_port=0,
         generate_mux=request.param,
         tokenizer_address=f"127.0.0.1:{backends[0].port}",
