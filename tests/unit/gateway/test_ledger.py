@@ -79,3 +79,41 @@ async def test_reads_see_only_the_tenants_own_rows(tmp_path: Path) -> None:
         assert found == row("a1")
     finally:
         ledger.close()
+
+
+V1_USAGE = """
+CREATE TABLE usage (
+    id INTEGER PRIMARY KEY,
+    request_id TEXT NOT NULL, tenant TEXT NOT NULL, api TEXT NOT NULL, model TEXT NOT NULL,
+    status TEXT NOT NULL, finish_reason TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL, completion_tokens INTEGER NOT NULL, cache_hit INTEGER NOT NULL,
+    queue_ms INTEGER NOT NULL, ttft_ms INTEGER NOT NULL, total_ms INTEGER NOT NULL,
+    compute_ms INTEGER NOT NULL, kv_peak_bytes INTEGER NOT NULL, cost_micros INTEGER NOT NULL,
+    traceparent TEXT NOT NULL, ended_at_ms INTEGER NOT NULL,
+    cache_entry_id TEXT NOT NULL, cache_similarity REAL NOT NULL, day TEXT NOT NULL
+);
+INSERT INTO usage VALUES (1, 'old', 'acme', 'Generate', 'm@1', 'OK', 'stop', 1, 2, 0, 0, 0, 0, 0, 0, 30, '',
+                          1736942400000, '', 0.0, '2025-01-15');
+PRAGMA user_version = 1;
+"""
+
+
+async def test_a_version_1_ledger_gains_the_user_column_and_keeps_its_rows(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript(V1_USAGE)
+    db.close()
+    ledger = Ledger(path)
+    try:
+        await ledger.record(row("new", user="end-user-1"))
+        (old,) = [r for r in ledger.rows("acme") if r.request_id == "old"]
+        assert old.user == "" and old.cost_micros == 30
+        assert ledger.find("acme", "new").user == "end-user-1"  # type: ignore[union-attr]
+        assert ledger.query("PRAGMA user_version", ()) == [(2,)]
+    finally:
+        ledger.close()
+    again = Ledger(path)  # opening a current file changes nothing
+    try:
+        assert len(again.rows("acme")) == 2 and again.query("PRAGMA user_version", ()) == [(2,)]
+    finally:
+        again.close()
