@@ -43,16 +43,19 @@ async def _events(reader: asyncio.StreamReader) -> AsyncIterator[dict[str, Any]]
 
 
 async def chat_stream(host: str, port: int, model: str, text: str, max_tokens: int,
-                      timeout_s: float) -> tuple[Timing, str]:
-    """POST /v1/chat/completions (stream, greedy) with ``text`` as one user message; the stream's
-    timing (tokens counted from the final usage, as the server counted them) and the answer."""
+                      timeout_s: float, key: str = "", params: dict[str, Any] | None = None) -> tuple[Timing, str]:
+    """POST /v1/chat/completions (stream, greedy unless ``params`` say otherwise) with ``text`` as
+    one user message, with the API key ``key`` if any; the stream's timing (tokens counted from
+    the final usage, as the server counted them) and the answer."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-                       "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}).encode()
+                       "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
+                       **(params or {})}).encode()
+    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
     started = time.perf_counter()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     try:
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), len(body), body))
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), auth, len(body), body))
         await writer.drain()
         return await asyncio.wait_for(_read(reader, started), timeout_s)
     finally:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
+import httpx
 import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -189,6 +190,9 @@ async def test_aiserve_run_with_two_replicas_drains_on_sigterm_and_exits_0(tmp_p
         banner += await read_until(run.stdout, "Ctrl-C", TIMEOUT_S)
         assert "inference-0:" in banner and "inference-1:" in banner
         assert (home / "admin.key").is_file()
+        http = next(line.split()[1] for line in banner.splitlines() if line.strip().startswith("http:"))
+        async with httpx.AsyncClient(timeout=TIMEOUT_S) as client:  # the address it announced serves
+            assert (await client.get(http.removesuffix("/v1") + "/health")).json() == {"status": "serving"}
         run.send_signal(signal.SIGTERM)
         rest = (await asyncio.wait_for(run.stdout.read(), TIMEOUT_S)).decode()
         assert await asyncio.wait_for(run.wait(), TIMEOUT_S) == 0, rest
@@ -222,6 +226,7 @@ def suite_env(home: Path, store_root: Path) -> dict[str, str]:
     env = {**os.environ, "AISERVE_HOME": str(home), "AISERVE_MODEL_STORE": str(store_root)}
     for service in ("gateway", "tokenizer", "inference", "cache"):
         env[f"AISERVE_{service.upper()}_PORT"] = env[f"AISERVE_{service.upper()}_METRICS_PORT"] = "0"
+    env["AISERVE_GATEWAY_HTTP_PORT"] = "-1"  # a free port, announced (0 would turn HTTP off)
     return env
 
 

@@ -72,10 +72,10 @@ def test_the_schema_check_is_not_vacuous(
     assert len(list(validator.iter_errors(broken))) == 2
 
 
-def test_only_the_gateway_publishes_a_port(compose: dict[str, Any]) -> None:
+def test_only_the_gateway_publishes_ports(compose: dict[str, Any]) -> None:
     published = {name for name, svc in services(compose).items() if svc.get("ports")}
     assert published == {"gateway"}
-    assert [str(p).split(":")[-1] for p in services(compose)["gateway"]["ports"]] == ["50051"]
+    assert [str(p).split(":")[-1] for p in services(compose)["gateway"]["ports"]] == ["50051", "8000"]
 
 
 def test_backends_are_only_on_the_internal_network(compose: dict[str, Any]) -> None:

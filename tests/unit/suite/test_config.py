@@ -87,3 +87,16 @@ def test_instance_names_map_to_their_service() -> None:
 def test_a_bad_replica_count_is_refused(tmp_path: Path, replicas: str) -> None:
     with pytest.raises(ValueError):
         SuiteConfig.from_env({"AISERVE_HOME": str(tmp_path), "AISERVE_INFERENCE_REPLICAS": replicas})
+
+
+def test_the_gateway_http_port_is_a_setting_of_the_suite(tmp_path: Path) -> None:
+    default = SuiteConfig.from_env({"AISERVE_HOME": str(tmp_path)})
+    assert default.http_port == 8000 and default.http_address() == "http://127.0.0.1:8000"
+    assert default.env_for("gateway", {})["AISERVE_GATEWAY_HTTP_PORT"] == "8000"
+    assert "AISERVE_GATEWAY_HTTP_PORT" not in default.env_for("tokenizer", {})
+    off = SuiteConfig.from_env({"AISERVE_HOME": str(tmp_path), "AISERVE_GATEWAY_HTTP_PORT": "0"})
+    assert off.http_address() == ""
+    tests = SuiteConfig.for_tests(tmp_path)
+    assert tests.http_port == -1  # a free port, which the gateway announces
+    with pytest.raises(LookupError):
+        tests.http_address()  # until the gateway announces the port it bound
