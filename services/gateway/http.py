@@ -108,6 +108,13 @@ class HttpDoor:
         request_id = _request_id(request)
         request_id_var.set(request_id)
         traceparent_var.set(request.headers.get(TRACEPARENT_KEY, "")[:256])
+        started = time.perf_counter()
+        response = await self._answer(request, request_id, is_chat)
+        log.info("http", path=request.url.path, status=response.status_code,  # for a stream: its first token
+                 latency_ms=round((time.perf_counter() - started) * 1000, 2))
+        return response
+
+    async def _answer(self, request: Request, request_id: str, is_chat: bool) -> Response:
         try:
             if request.headers.get(REQUEST_ID_KEY) not in (None, request_id):
                 raise InvalidArgument(f"{REQUEST_ID_KEY}: must be 1-128 printable ASCII characters")

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import openai
 import pytest
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -128,7 +129,7 @@ async def other_tokenizer(tmp_path: Path, store: ModelStore, model_ref: ModelRef
 async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_tokenizer: str, tmp_path: Path) -> None:
     config = GatewayConfig(
         port=0,
-        http_port=0,
+        http_port=-1,
         metrics_port=0,
         tokenizer_address=other_tokenizer,
         inference_address=suite.config.address("inference"),
@@ -144,6 +145,11 @@ async def test_tokenizer_and_model_fingerprints_must_match(suite: Suite, other_t
             f"127.0.0.1:{handle.port}", chat_request("hello"), grpc.StatusCode.FAILED_PRECONDITION, dev_key(suite)
         )
         assert "tokenizer sha256" in details
+        async with openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{handle.extra_ports[0]}/v1", api_key=dev_key(suite),
+                                      max_retries=0, timeout=120) as api:  # the HTTP door says it too: 412
+            with pytest.raises(openai.APIStatusError) as info:
+                await api.chat.completions.create(model="", messages=[{"role": "user", "content": "hello"}])
+        assert info.value.status_code == 412 and "tokenizer sha256" in info.value.message
     finally:
         await handle.stop(0)
     await still_serving(suite)

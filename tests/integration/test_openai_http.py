@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 from typing import Any
 
@@ -18,7 +17,7 @@ from grpc import aio
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.config import GatewayConfig
 from suite.runner import Suite
-from tests.integration.conftest import auth, create_tenant, dev_key, ledger_rows, new_request_id
+from tests.integration.conftest import auth, create_tenant, dev_key, eventually, ledger_rows, new_request_id
 
 TIMEOUT_S = 120
 QUESTION = "Name three colours of the rainbow."
@@ -276,9 +275,28 @@ def test_malformed_json_wrong_type_and_huge_body_are_400_and_413(suite: Suite) -
         assert reply.headers["x-request-id"]
 
 
+async def test_a_client_that_disconnects_cancels_and_is_billed_for_what_it_was_sent(suite: Suite) -> None:
+    request_id = new_request_id()
+    body = {"model": "smollm2-135m-instruct", "messages": chat(f"Write a long essay about rivers ({request_id})."),
+            "max_tokens": 1000, "temperature": 0, "stream": True}
+    headers = {"authorization": f"Bearer {dev_key(suite)}", "x-request-id": request_id}
+    async with httpx.AsyncClient(timeout=TIMEOUT_S) as http, \
+            http.stream("POST", base_url(suite) + "/chat/completions", json=body, headers=headers) as reply:
+        events = 0
+        async for line in reply.aiter_lines():
+            events += line.startswith("data: {")
+            if events == 4:
+                break  # leaving the block closes the connection mid-stream
+    def row() -> Any:
+        return next((r for r in ledger_rows(suite.config.home) if r.request_id == request_id), None)
+    await eventually(lambda: row() is not None, TIMEOUT_S, "the cancelled stream's ledger row")
+    cancelled = row()
+    assert cancelled.status == "CANCELLED" and cancelled.finish_reason == "cancelled"
+    assert 0 < cancelled.completion_tokens < 1000 and cancelled.cost_micros > 0
+
+
 # --- curl, and the two doors billed alike -----------------------------------------------------
 
-@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed (make test installs it)")
 def test_curl_stream_line_by_line(suite: Suite) -> None:
     body = json.dumps({"model": "smollm2-135m-instruct", "messages": chat(), "max_tokens": 5, "temperature": 0,
                        "stream": True, "stream_options": {"include_usage": True}})
