@@ -186,6 +186,12 @@ def test_user_is_recorded_in_the_ledger_row(suite: Suite) -> None:
 
 # --- log-probabilities and structured output (the engine's, through the door) -----------------
 
+WAITS_ON_ENGINE = pytest.mark.xfail(
+    strict=True, reason="needs log-probabilities and JSON-schema constrained decoding in the engine and the "
+    "gateway's GenerateResponse (branch struct); once merged these pass and strict xfail fails: drop this mark")
+
+
+@WAITS_ON_ENGINE
 def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=6,
                                                    temperature=0, logprobs=True, top_logprobs=3)
@@ -198,6 +204,7 @@ def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     assert "".join(i.token for i in content) == answer.choices[0].message.content
 
 
+@WAITS_ON_ENGINE
 def test_completions_logprobs(suite: Suite) -> None:
     answer = client(suite).completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                               max_tokens=5, temperature=0, logprobs=2)
@@ -211,6 +218,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "populati
           "required": ["city", "population"], "additionalProperties": False}
 
 
+@WAITS_ON_ENGINE
 def test_json_schema_answer_validates(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(
         model="smollm2-135m-instruct", messages=chat("Give a city and its population as JSON."), max_tokens=64,
