@@ -161,6 +161,27 @@ def fit_prompt(token_ids: Sequence[int], max_new_tokens: int, context_length: in
     )
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token a request may ask for (OpenAI's limit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobsRequest:
+    """Log-probabilities asked for: each generated token's, and ``top`` alternatives per step."""
+
+    top: int = 0
+
+
+def checked_logprobs(enabled: bool, top_logprobs: int) -> LogprobsRequest | None:
+    """A request's logprobs options, validated; None = not asked (nothing is computed)."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"logprobs.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if top_logprobs and not enabled:
+        raise InvalidArgument(f"logprobs.top_logprobs: requires logprobs.enabled, got top_logprobs {top_logprobs} "
+                              "with enabled false")
+    return LogprobsRequest(top=top_logprobs) if enabled else None
+
+
 def checked_min_similarity(value: float | None) -> float | None:
     """A request's cache_min_similarity, validated: [0, 1] or unset."""
     if value is not None and not 0.0 <= value <= 1.0:  # NaN fails too

@@ -3,7 +3,10 @@ import pytest
 from aiserve.common.errors import InvalidArgument
 from services.gateway.config import GatewayConfig
 from services.gateway.validation import (
+    MAX_TOP_LOGPROBS,
+    LogprobsRequest,
     SamplingInput,
+    checked_logprobs,
     checked_min_similarity,
     resolve_sampling,
     usage_period,
@@ -112,3 +115,16 @@ def test_usage_period_reads_rfc3339_with_an_offset() -> None:
         usage_period("", "yesterday")
     with pytest.raises(InvalidArgument, match="until: must not be before since"):
         usage_period("2025-01-16T00:00:00Z", "2025-01-15T00:00:00Z")
+
+
+def test_logprobs_options_within_limits() -> None:
+    assert checked_logprobs(False, 0) is None
+    assert checked_logprobs(True, 0) == LogprobsRequest(top=0)
+    assert checked_logprobs(True, MAX_TOP_LOGPROBS) == LogprobsRequest(top=20)
+
+
+@pytest.mark.parametrize(("enabled", "top", "limit"), [(True, 21, "[0, 20]"), (False, 3, "requires logprobs.enabled")])
+def test_bad_logprobs_options_name_the_field_and_limit(enabled: bool, top: int, limit: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        checked_logprobs(enabled, top)
+    assert info.value.message.startswith("logprobs.top_logprobs") and limit in info.value.message
