@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiserve.common.finish import FinishReason
-from services.gateway.validation import LogprobsRequest, Sampling
+from services.gateway.validation import LogprobsRequest, ResponseFormat, Sampling
 
 ChatMessages = tuple[tuple[str, str], ...]
 """A chat as (role, content) pairs, oldest first."""
@@ -34,6 +34,8 @@ class GatewayRequest:
     """A stricter similarity threshold for a cache hit by meaning (None = the cache's default)."""
     logprobs: LogprobsRequest | None = None
     """Log-probabilities asked for (None = none)."""
+    response_format: ResponseFormat | None = None
+    """A constraint on the output's form (None = free text)."""
     session: str = ""
     """The x-aiserve-session metadata value ("" = none): the sticky key when routes stick by session."""
 

@@ -23,6 +23,7 @@ from services.gateway.validation import (
     SamplingInput,
     checked_logprobs,
     checked_min_similarity,
+    checked_response_format,
     resolve_sampling,
     validate_input,
 )
@@ -73,6 +74,8 @@ def request_from_pb(request: gateway_pb2.GenerateRequest, config: GatewayConfig,
         cache_min_similarity=checked_min_similarity(
             request.cache_min_similarity if request.HasField("cache_min_similarity") else None),
         logprobs=checked_logprobs(request.logprobs.enabled, request.logprobs.top_logprobs),
+        response_format=checked_response_format(request.response_format.WhichOneof("format"),
+                                                request.response_format.json_schema.schema),
     )
 
 

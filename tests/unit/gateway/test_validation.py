@@ -5,9 +5,11 @@ from services.gateway.config import GatewayConfig
 from services.gateway.validation import (
     MAX_TOP_LOGPROBS,
     LogprobsRequest,
+    ResponseFormat,
     SamplingInput,
     checked_logprobs,
     checked_min_similarity,
+    checked_response_format,
     resolve_sampling,
     usage_period,
     validate_input,
@@ -128,3 +130,24 @@ def test_bad_logprobs_options_name_the_field_and_limit(enabled: bool, top: int, 
     with pytest.raises(InvalidArgument) as info:
         checked_logprobs(enabled, top)
     assert info.value.message.startswith("logprobs.top_logprobs") and limit in info.value.message
+
+
+def test_a_response_format_is_canonical_and_scopes_the_cache() -> None:
+    assert checked_response_format(None, "") is None
+    assert checked_response_format("json_object", "") == ResponseFormat()
+    a = checked_response_format("json_schema", '{"type": "object", "required": ["a"]}')
+    b = checked_response_format("json_schema", '{"required":["a"],"type":"object"}')
+    assert a == b and a is not None
+    assert a.cache_key() != ResponseFormat().cache_key()
+
+
+@pytest.mark.parametrize(("schema", "reason"), [
+    ("", "1..65536 characters"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"type": "bogus"}', "not supported by the grammar compiler"),
+], ids=["empty", "not-json", "not-object", "uncompilable"])
+def test_a_bad_schema_is_refused_at_admission(schema: str, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        checked_response_format("json_schema", schema)
+    assert info.value.message.startswith("response_format.json_schema.schema") and reason in info.value.message
