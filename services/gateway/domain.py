@@ -162,6 +162,8 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     priority: int
+    logprobs: LogprobsRequest | None = None
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True, slots=True)

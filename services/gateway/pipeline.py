@@ -203,7 +203,8 @@ class Pipeline:
                       deadline: float) -> AsyncGenerator[tuple[Chunk, GenerationEvent | None], None]:
         """(chunk, the event it came from) as tokens arrive, cut at a stop string, then the
         held-back text (with no event); cancels what it started unless it ended."""
-        request = GenerationRequest(req.request_id, model, prompt.token_ids, req.sampling, req.priority)
+        request = GenerationRequest(req.request_id, model, prompt.token_ids, req.sampling, req.priority,
+                                    req.logprobs, req.response_format)
         generation = self.backends.generations.open(request, _remaining_s(deadline))  # the client's deadline
         detok = self.backends.detokenizer.open(req.request_id, skip_special_tokens=True, model=model)
         stops = StopMatcher(req.sampling.stop)
