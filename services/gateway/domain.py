@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiserve.common.finish import FinishReason
-from services.gateway.validation import Sampling
+from services.gateway.validation import LogprobsRequest, ResponseFormat, Sampling
 
 ChatMessages = tuple[tuple[str, str], ...]
 """A chat as (role, content) pairs, oldest first."""
@@ -32,6 +32,10 @@ class GatewayRequest:
     """Scheduling priority of the tenant's tier; higher is admitted to the batch first."""
     cache_min_similarity: float | None = None
     """A stricter similarity threshold for a cache hit by meaning (None = the cache's default)."""
+    logprobs: LogprobsRequest | None = None
+    """Log-probabilities asked for (None = none)."""
+    response_format: ResponseFormat | None = None
+    """A constraint on the output's form (None = free text)."""
     session: str = ""
     """The x-aiserve-session metadata value ("" = none): the sticky key when routes stick by session."""
 
@@ -172,6 +176,8 @@ class GenerationRequest:
     prompt_token_ids: tuple[int, ...]
     sampling: Sampling
     priority: int
+    logprobs: LogprobsRequest | None = None
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,13 @@ def request_to_pb(request: GenerationRequest) -> inference_pb2.InferenceRequest:
     )
     if s.seed is not None:
         decoding.seed = s.seed
+    if request.logprobs is not None:
+        decoding.logprobs, decoding.top_logprobs = True, request.logprobs.top
+    if request.response_format is not None:
+        if request.response_format.schema:
+            decoding.json_schema = request.response_format.schema
+        else:
+            decoding.json_object.SetInParent()
     return inference_pb2.InferenceRequest(
         request_id=request.request_id, model=request.model, prompt_token_ids=request.prompt_token_ids,
         decoding=decoding, priority=request.priority,

@@ -19,7 +19,14 @@ from services.gateway.domain import (
     UsageRecord,
 )
 from services.gateway.ledger import Bucket, Totals
-from services.gateway.validation import SamplingInput, checked_min_similarity, resolve_sampling, validate_input
+from services.gateway.validation import (
+    SamplingInput,
+    checked_logprobs,
+    checked_min_similarity,
+    checked_response_format,
+    resolve_sampling,
+    validate_input,
+)
 
 _CACHE_POLICY = {
     gateway_pb2.CACHE_POLICY_USE: "use",
@@ -66,6 +73,9 @@ def request_from_pb(request: gateway_pb2.GenerateRequest, config: GatewayConfig,
         truncate_left=request.truncation == gateway_pb2.TRUNCATION_LEFT,
         cache_min_similarity=checked_min_similarity(
             request.cache_min_similarity if request.HasField("cache_min_similarity") else None),
+        logprobs=checked_logprobs(request.logprobs.enabled, request.logprobs.top_logprobs),
+        response_format=checked_response_format(request.response_format.WhichOneof("format"),
+                                                request.response_format.json_schema.schema),
     )
 
 

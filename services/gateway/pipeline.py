@@ -96,7 +96,7 @@ class Pipeline:
         prompt = self._fit_context(req, await self._render(req, route.model), route)
         if admit is not None:
             admit(len(prompt.token_ids), route.model)
-        key = cache_key(route.model, req.tenant, req.sampling.cache_key(), prompt.text, req.messages,
+        key = cache_key(route.model, req.tenant, _params_key(req), prompt.text, req.messages,
                         is_truncated=prompt.text.startswith(_TRUNCATED))
         cache = self.backends.cache if self._cacheable(req) else None
         lookup = None
@@ -203,7 +203,8 @@ class Pipeline:
                       deadline: float) -> AsyncGenerator[tuple[Chunk, GenerationEvent | None], None]:
         """(chunk, the event it came from) as tokens arrive, cut at a stop string, then the
         held-back text (with no event); cancels what it started unless it ended."""
-        request = GenerationRequest(req.request_id, model, prompt.token_ids, req.sampling, req.priority)
+        request = GenerationRequest(req.request_id, model, prompt.token_ids, req.sampling, req.priority,
+                                    req.logprobs, req.response_format)
         generation = self.backends.generations.open(request, _remaining_s(deadline))  # the client's deadline
         detok = self.backends.detokenizer.open(req.request_id, skip_special_tokens=True, model=model)
         stops = StopMatcher(req.sampling.stop)
@@ -264,6 +265,12 @@ def _outcome(final: Final) -> RequestOutcome:
     u = final.usage
     tpot_ms = (u.total_ms - u.ttft_ms) / (u.completion_tokens - 1) if u.completion_tokens > 1 else 0.0
     return RequestOutcome(u.model, u.ttft_ms, tpot_ms, False, u.cache_hit, u.cost_micros)
+
+
+def _params_key(req: GatewayRequest) -> str:
+    """The decoding parameters and the response format: both change the answer, so both scope it."""
+    params = req.sampling.cache_key()
+    return params if req.response_format is None else params + req.response_format.cache_key()
 
 
 def _ms_since(started: float) -> int:

@@ -161,6 +161,72 @@ def fit_prompt(token_ids: Sequence[int], max_new_tokens: int, context_length: in
     )
 
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token a request may ask for (OpenAI's limit)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobsRequest:
+    """Log-probabilities asked for: each generated token's, and ``top`` alternatives per step."""
+
+    top: int = 0
+
+
+def checked_logprobs(enabled: bool, top_logprobs: int) -> LogprobsRequest | None:
+    """A request's logprobs options, validated; None = not asked (nothing is computed)."""
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidArgument(f"logprobs.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if top_logprobs and not enabled:
+        raise InvalidArgument(f"logprobs.top_logprobs: requires logprobs.enabled, got top_logprobs {top_logprobs} "
+                              "with enabled false")
+    return LogprobsRequest(top=top_logprobs) if enabled else None
+
+
+MAX_SCHEMA_CHARS = 65_536
+"""The longest JSON Schema text a request may carry."""
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseFormat:
+    """A constraint on the output's form: any JSON object (``schema`` empty) or JSON that
+    validates against ``schema`` (its canonical JSON text)."""
+
+    schema: str = ""
+
+    def cache_key(self) -> str:
+        """What of the format changes the answer (part of the cache scope)."""
+        return json.dumps({"response_format": self.schema or "json_object"}, separators=(",", ":"))
+
+
+def checked_response_format(kind: str | None, schema_text: str) -> ResponseFormat | None:
+    """A request's response_format, validated at admission: a json_schema must be a JSON object
+    that the grammar library (xgrammar, docs/decisions.md) compiles; otherwise INVALID_ARGUMENT,
+    never a silently looser constraint. None = free text."""
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return ResponseFormat()
+    if not 1 <= len(schema_text) <= MAX_SCHEMA_CHARS:
+        raise InvalidArgument(f"response_format.json_schema.schema: must be 1..{MAX_SCHEMA_CHARS} characters, "
+                              f"got {len(schema_text)}")
+    try:
+        schema = json.loads(schema_text)
+    except ValueError as exc:
+        raise InvalidArgument(f"response_format.json_schema.schema: not JSON ({exc})") from None
+    if not isinstance(schema, dict):
+        raise InvalidArgument("response_format.json_schema.schema: must be a JSON object")
+    canonical = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    import xgrammar  # noqa: PLC0415 - heavy native import, paid only by requests that carry a schema
+
+    try:
+        xgrammar.Grammar.from_json_schema(canonical)
+    except RuntimeError as exc:
+        reason = str(exc).rsplit(": ", 1)[-1] if ": " in str(exc) else str(exc)
+        raise InvalidArgument(f"response_format.json_schema.schema: not supported by the grammar compiler: "
+                              f"{reason}") from None
+    return ResponseFormat(schema=canonical)
+
+
 def checked_min_similarity(value: float | None) -> float | None:
     """A request's cache_min_similarity, validated: [0, 1] or unset."""
     if value is not None and not 0.0 <= value <= 1.0:  # NaN fails too
@@ -188,3 +254,13 @@ def usage_period(since: str, until: str) -> tuple[int | None, int | None]:
     if since_ms is not None and until_ms is not None and until_ms < since_ms:
         raise InvalidArgument(f"until: must not be before since ({since}), got {until}")
     return since_ms, until_ms
+
+
+def refuse_unserved(logprobs: LogprobsRequest | None, response_format: ResponseFormat | None) -> None:
+    """Refuse what the engine does not do yet, rather than answer free text without it: the
+    options are validated (above) and reach the inference service, but it neither computes
+    log-probabilities nor constrains decoding yet, and ignoring them would be a silent relaxation."""
+    if logprobs is not None:
+        raise InvalidArgument("logprobs: not served yet (the engine does not compute log-probabilities)")
+    if response_format is not None:
+        raise InvalidArgument("response_format: not served yet (the engine does not constrain decoding)")

@@ -8,7 +8,7 @@ from aiserve.common.finish import FinishReason
 from aiserve.v1 import common_pb2, inference_pb2
 from services.gateway.domain import GenerationEvent, GenerationRequest
 from services.gateway.inference_messages import event_from_pb, request_to_pb
-from services.gateway.validation import Sampling
+from services.gateway.validation import LogprobsRequest, ResponseFormat, Sampling
 
 
 def sampling(seed: int | None) -> Sampling:
@@ -23,6 +23,18 @@ def test_a_request_carries_its_decoding_and_a_seed_only_when_set() -> None:
     assert (d.top_k, d.max_new_tokens, d.seed) == (40, 16, 7)
     assert (d.temperature, d.top_p, d.repetition_penalty) == pytest.approx((0.7, 0.9, 1.1))
     assert not request_to_pb(GenerationRequest("rid", "m@1", (5,), sampling(seed=None), 0)).decoding.HasField("seed")
+
+
+def test_logprobs_and_the_response_format_are_sent_only_when_asked() -> None:
+    plain = request_to_pb(GenerationRequest("rid", "m@1", (5,), sampling(seed=None), 0)).decoding
+    assert (plain.logprobs, plain.top_logprobs, plain.WhichOneof("constraint")) == (False, 0, None)
+    schema = '{"type":"object"}'
+    asked = request_to_pb(GenerationRequest("rid", "m@1", (5,), sampling(seed=None), 0,
+                                            LogprobsRequest(top=3), ResponseFormat(schema=schema))).decoding
+    assert (asked.logprobs, asked.top_logprobs, asked.json_schema) == (True, 3, schema)
+    as_json = request_to_pb(GenerationRequest("rid", "m@1", (5,), sampling(seed=None), 0,
+                                              response_format=ResponseFormat())).decoding
+    assert as_json.WhichOneof("constraint") == "json_object"
 
 
 def test_an_event_has_a_finish_reason_only_on_the_last_message() -> None:

@@ -54,6 +54,13 @@ def test_a_chat_request_with_every_field_set() -> None:
     assert bypass.cache_policy == "bypass"
 
 
+def test_logprobs_options_are_carried_only_when_enabled() -> None:
+    assert request_from_pb(gateway_pb2.GenerateRequest(prompt="x"), CONFIG, "rid").logprobs is None
+    asked = request_from_pb(gateway_pb2.GenerateRequest(
+        prompt="x", logprobs=gateway_pb2.LogprobsOptions(enabled=True, top_logprobs=20)), CONFIG, "rid")
+    assert asked.logprobs is not None and asked.logprobs.top == 20
+
+
 @pytest.mark.parametrize(("bad", "field"), [
     (gateway_pb2.GenerateRequest(), "input"),
     (gateway_pb2.GenerateRequest(prompt=""), "prompt"),
@@ -61,7 +68,12 @@ def test_a_chat_request_with_every_field_set() -> None:
     (gateway_pb2.GenerateRequest(prompt="x", cache_min_similarity=1.5), "cache_min_similarity"),
     (gateway_pb2.GenerateRequest(prompt="x", sampling=common_pb2.SamplingParams(max_new_tokens=0)),
      "sampling.max_new_tokens"),
-], ids=["no-input", "empty-prompt", "bad-role", "min-similarity", "max-new-tokens"])
+    (gateway_pb2.GenerateRequest(prompt="x", logprobs=gateway_pb2.LogprobsOptions(enabled=True, top_logprobs=21)),
+     "logprobs.top_logprobs"),
+    (gateway_pb2.GenerateRequest(prompt="x", logprobs=gateway_pb2.LogprobsOptions(top_logprobs=2)),
+     "logprobs.top_logprobs"),
+], ids=["no-input", "empty-prompt", "bad-role", "min-similarity", "max-new-tokens", "top-logprobs-over-20",
+        "top-logprobs-without-enabled"])
 def test_a_bad_request_names_its_field(bad: gateway_pb2.GenerateRequest, field: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         request_from_pb(bad, CONFIG, "rid")

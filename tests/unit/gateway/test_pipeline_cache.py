@@ -199,3 +199,14 @@ async def test_a_raw_prompt_asks_the_exact_tier_only_and_refresh_asks_nothing() 
     fakes.generations.script = list(THREE_TOKENS)
     await run(fakes.pipeline(), replace(chat(), cache_policy="refresh"))
     assert len(fakes.cache.lookups) == 1 and fakes.cache.stores[-1].committed == FinishReason.LENGTH
+
+
+def test_the_response_format_scopes_the_cache_key() -> None:
+    from services.gateway.pipeline import _params_key  # noqa: PLC0415
+    from services.gateway.validation import ResponseFormat  # noqa: PLC0415
+
+    free = request()
+    as_json = replace(free, response_format=ResponseFormat())
+    with_schema = replace(free, response_format=ResponseFormat(schema='{"type":"object"}'))
+    keys = {_params_key(free), _params_key(as_json), _params_key(with_schema)}
+    assert len(keys) == 3 and _params_key(free) == free.sampling.cache_key()

@@ -3,8 +3,13 @@ import pytest
 from aiserve.common.errors import InvalidArgument
 from services.gateway.config import GatewayConfig
 from services.gateway.validation import (
+    MAX_TOP_LOGPROBS,
+    LogprobsRequest,
+    ResponseFormat,
     SamplingInput,
+    checked_logprobs,
     checked_min_similarity,
+    checked_response_format,
     resolve_sampling,
     usage_period,
     validate_input,
@@ -112,3 +117,47 @@ def test_usage_period_reads_rfc3339_with_an_offset() -> None:
         usage_period("", "yesterday")
     with pytest.raises(InvalidArgument, match="until: must not be before since"):
         usage_period("2025-01-16T00:00:00Z", "2025-01-15T00:00:00Z")
+
+
+def test_logprobs_options_within_limits() -> None:
+    assert checked_logprobs(False, 0) is None
+    assert checked_logprobs(True, 0) == LogprobsRequest(top=0)
+    assert checked_logprobs(True, MAX_TOP_LOGPROBS) == LogprobsRequest(top=20)
+
+
+@pytest.mark.parametrize(("enabled", "top", "limit"), [(True, 21, "[0, 20]"), (False, 3, "requires logprobs.enabled")])
+def test_bad_logprobs_options_name_the_field_and_limit(enabled: bool, top: int, limit: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        checked_logprobs(enabled, top)
+    assert info.value.message.startswith("logprobs.top_logprobs") and limit in info.value.message
+
+
+def test_a_response_format_is_canonical_and_scopes_the_cache() -> None:
+    assert checked_response_format(None, "") is None
+    assert checked_response_format("json_object", "") == ResponseFormat()
+    a = checked_response_format("json_schema", '{"type": "object", "required": ["a"]}')
+    b = checked_response_format("json_schema", '{"required":["a"],"type":"object"}')
+    assert a == b and a is not None
+    assert a.cache_key() != ResponseFormat().cache_key()
+
+
+@pytest.mark.parametrize(("schema", "reason"), [
+    ("", "1..65536 characters"),
+    ("{not json", "not JSON"),
+    ("[1, 2]", "must be a JSON object"),
+    ('{"type": "bogus"}', "not supported by the grammar compiler"),
+], ids=["empty", "not-json", "not-object", "uncompilable"])
+def test_a_bad_schema_is_refused_at_admission(schema: str, reason: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        checked_response_format("json_schema", schema)
+    assert info.value.message.startswith("response_format.json_schema.schema") and reason in info.value.message
+
+
+def test_refuse_unserved_names_what_the_engine_does_not_do_yet() -> None:
+    from services.gateway.validation import LogprobsRequest, ResponseFormat, refuse_unserved
+
+    refuse_unserved(None, None)  # a plain request passes
+    with pytest.raises(InvalidArgument, match="^logprobs: not served yet"):
+        refuse_unserved(LogprobsRequest(top=3), None)
+    with pytest.raises(InvalidArgument, match="^response_format: not served yet"):
+        refuse_unserved(None, ResponseFormat())
