@@ -30,3 +30,23 @@ def test_inference_invariants() -> None:
     assert "grpc" in startup
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 2 * COLD_START_BUSY_S
     assert docs[("Service", "inference")]["spec"]["clusterIP"] == "None"
+
+
+def test_only_the_gateway_is_exposed_and_backends_are_headless() -> None:
+    services = {d["metadata"]["name"]: d["spec"] for d in _docs() if d["kind"] == "Service"}
+    assert services["gateway"]["type"] == "LoadBalancer"
+    for name in ("tokenizer", "inference"):
+        assert services[name]["clusterIP"] == "None"
+    assert all(spec.get("type", "ClusterIP") == "ClusterIP" for n, spec in services.items() if n != "gateway")
+
+
+def test_inference_has_a_disruption_budget() -> None:
+    pdbs = [d for d in _docs() if d["kind"] == "PodDisruptionBudget"]
+    assert any(p["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "inference"} for p in pdbs)
+
+
+def test_gateway_targets_resolve_the_headless_services() -> None:
+    gateway = next(d for d in _docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
+    env = {e["name"]: e["value"] for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["AISERVE_GATEWAY_INFERENCE_ADDRESS"].startswith("dns:///inference:")
+    assert env["AISERVE_GATEWAY_TOKENIZER_ADDRESS"].startswith("dns:///tokenizer:")
