@@ -4,6 +4,8 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
+from suite.autoscale_policy import POLICY_PATH
+
 BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"
 COLD_START_BUSY_S = 7.0
 LONGEST_CALL_S = 600.0  # the gateway's downstream_timeout_s default
@@ -50,3 +52,20 @@ def test_gateway_targets_resolve_the_headless_services() -> None:
     env = {e["name"]: e["value"] for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["AISERVE_GATEWAY_INFERENCE_ADDRESS"].startswith("dns:///inference:")
     assert env["AISERVE_GATEWAY_TOKENIZER_ADDRESS"].startswith("dns:///tokenizer:")
+
+
+def test_scaled_object_expresses_the_policy() -> None:
+    policy = yaml.safe_load(POLICY_PATH.read_text())
+    path = BASE.parent / "components" / "keda" / "scaledobject.yaml"
+    spec = yaml.safe_load(path.read_text())["spec"]
+    assert spec["minReplicaCount"] == policy["replicas"]["min"]
+    assert spec["maxReplicaCount"] == policy["replicas"]["max"]
+    assert spec["cooldownPeriod"] == policy["keda"]["cooldown_period_s"]
+    assert spec["pollingInterval"] == policy["keda"]["polling_interval_s"]
+    assert spec["fallback"]["replicas"] == policy["keda"]["fallback_replicas"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == policy["scale_up"]["stabilization_window_s"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == policy["scale_down"]["stabilization_window_s"]
+    trigger = spec["triggers"][0]
+    assert policy["metric"]["name"] in trigger["metadata"]["query"]
+    assert float(trigger["metadata"]["threshold"]) == policy["metric"]["target_per_replica"]
