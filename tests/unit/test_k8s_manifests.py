@@ -1,0 +1,77 @@
+"""deploy/k8s/base against the Kubernetes schemas, and the invariants the autoscaler relies on."""
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+from suite.autoscale_policy import POLICY_PATH
+
+BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"
+COLD_START_BUSY_S = 7.0
+LONGEST_CALL_S = 600.0  # the gateway's downstream_timeout_s default
+
+
+def _docs() -> list[dict]:
+    files = yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"]
+    return [d for f in files for d in yaml.safe_load_all((BASE / f).read_text()) if d]
+
+
+def test_the_kustomization_lists_every_manifest() -> None:
+    listed = set(yaml.safe_load((BASE / "kustomization.yaml").read_text())["resources"])
+    assert listed == {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+
+
+def test_every_manifest_validates() -> None:
+    docs = _docs()
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+
+
+def test_inference_invariants() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _docs()}
+    deploy = docs[("Deployment", "inference")]
+    assert "replicas" not in deploy["spec"]
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > LONGEST_CALL_S
+    startup = pod["containers"][0]["startupProbe"]
+    assert "grpc" in startup
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 2 * COLD_START_BUSY_S
+    assert docs[("Service", "inference")]["spec"]["clusterIP"] == "None"
+
+
+def test_only_the_gateway_is_exposed_and_backends_are_headless() -> None:
+    services = {d["metadata"]["name"]: d["spec"] for d in _docs() if d["kind"] == "Service"}
+    assert services["gateway"]["type"] == "LoadBalancer"
+    for name in ("tokenizer", "inference"):
+        assert services[name]["clusterIP"] == "None"
+    assert all(spec.get("type", "ClusterIP") == "ClusterIP" for n, spec in services.items() if n != "gateway")
+
+
+def test_inference_has_a_disruption_budget() -> None:
+    pdbs = [d for d in _docs() if d["kind"] == "PodDisruptionBudget"]
+    assert any(p["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": "inference"} for p in pdbs)
+
+
+def test_gateway_targets_resolve_the_headless_services() -> None:
+    gateway = next(d for d in _docs() if d["kind"] == "Deployment" and d["metadata"]["name"] == "gateway")
+    env = {e["name"]: e["value"] for e in gateway["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["AISERVE_GATEWAY_INFERENCE_ADDRESS"].startswith("dns:///inference:")
+    assert env["AISERVE_GATEWAY_TOKENIZER_ADDRESS"].startswith("dns:///tokenizer:")
+
+
+def test_scaled_object_expresses_the_policy() -> None:
+    policy = yaml.safe_load(POLICY_PATH.read_text())
+    path = BASE.parent / "components" / "keda" / "scaledobject.yaml"
+    spec = yaml.safe_load(path.read_text())["spec"]
+    assert spec["minReplicaCount"] == policy["replicas"]["min"]
+    assert spec["maxReplicaCount"] == policy["replicas"]["max"]
+    assert spec["cooldownPeriod"] == policy["keda"]["cooldown_period_s"]
+    assert spec["pollingInterval"] == policy["keda"]["polling_interval_s"]
+    assert spec["fallback"]["replicas"] == policy["keda"]["fallback_replicas"]
+    behavior = spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert behavior["scaleUp"]["stabilizationWindowSeconds"] == policy["scale_up"]["stabilization_window_s"]
+    assert behavior["scaleDown"]["stabilizationWindowSeconds"] == policy["scale_down"]["stabilization_window_s"]
+    trigger = spec["triggers"][0]
+    assert policy["metric"]["name"] in trigger["metadata"]["query"]
+    assert float(trigger["metadata"]["threshold"]) == policy["metric"]["target_per_replica"]
