@@ -7,6 +7,7 @@
     aiserve chat "prompt"            # stream an answer from a running suite
     aiserve keys create|list|revoke  # API keys and tenants
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
+    aiserve size NAME@VERSION --dtype bf16 --context 2048 --batch 64  # memory sizing
 
 Installed as the ``aiserve`` console script; ``python -m suite ...`` runs the same.
 """
@@ -21,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from aiserve import sizing
 from aiserve import store as model_store
 from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
@@ -60,6 +62,25 @@ def cmd_models(args: argparse.Namespace) -> int:
             return 2
         manifest = model_store.import_folder(store, Path(args.target), ModelRef(args.name, args.version))
         print(f"imported {manifest.ref} into {store.path(manifest.ref)}")
+    return 0
+
+
+def cmd_size(args: argparse.Namespace) -> int:
+    """``aiserve size``: weights, KV cache, activations and recommended RAM for a stored version."""
+    ref = ModelRef.parse(args.target)
+    folder = _store(args).path(ref)
+    try:
+        result = sizing.estimate(sizing.shape_of(folder), args.dtype, args.context, args.batch,
+                                 args.kv_dtype, args.memory)
+    except (ValueError, OSError) as exc:
+        print(f"aiserve: {exc}", file=sys.stderr)
+        return 2
+    for key, value in result.as_dict().items():
+        if value is None or key in ("max_batch", "kv_per_token"):
+            shown = "-" if value is None else str(value)
+        else:
+            shown = f"{value / 2**20:.1f} MiB"
+        print(f"{key}\t{shown}")
     return 0
 
 
@@ -167,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     chat_p.add_argument("--timeout", type=float, default=300)
     chat_p.add_argument("--key", help="API key (default $AISERVE_API_KEY, else $AISERVE_HOME/dev.key)")
     chat_p.set_defaults(func=cmd_chat)
+
+    size = sub.add_parser("size", help="memory sizing of a stored version")
+    size.add_argument("target", help="NAME@VERSION")
+    size.add_argument("--dtype", default="bf16")
+    size.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
+    size.add_argument("--context", type=_positive_int, default=2048)
+    size.add_argument("--batch", type=_positive_int, default=1)
+    size.add_argument("--memory", type=_positive_int, default=None, metavar="BYTES",
+                      help="report the largest batch fitting this many bytes")
+    size.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")
+    size.set_defaults(func=cmd_size)
 
     add_commands(sub)
     add_status_command(sub)

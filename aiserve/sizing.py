@@ -1,0 +1,103 @@
+"""Memory sizing for a stored model: weights, KV cache, activations, recommended RAM.
+
+Pure arithmetic from the version's ``config.json`` and its safetensors header (the parameter
+count is read, not guessed). Figures are bytes.
+
+- weights = parameters x bytes per parameter of the serving dtype (int4 counts half a byte,
+  group scales not included);
+- KV per token = 2 (K and V) x layers x KV heads x head dim x bytes of the KV dtype;
+- KV at batch x context = KV per token x batch x context;
+- activations of one decode step = batch x (f32 logits over the vocabulary + the hidden,
+  attention and MLP buffers of one layer in the compute dtype);
+- recommended RAM = twice the weights (loading holds a second copy while converting);
+- largest batch: the batch whose KV and activations fit in ``memory`` after the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from math import prod
+from pathlib import Path
+
+DTYPE_BYTES = {"f32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "f16": 2.0,
+               "float16": 2.0, "int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What sizing needs from a model's config."""
+
+    parameters: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    intermediate: int
+    vocab: int
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One sizing answer, in bytes."""
+
+    weights: int
+    kv_per_token: int
+    kv_total: int
+    activations: int
+    recommended_ram: int
+    max_batch: int | None
+
+    def as_dict(self) -> dict[str, int | None]:
+        return dict(self.__dict__)
+
+
+def dtype_bytes(name: str) -> float:
+    """Bytes per element of ``name``; ValueError naming the accepted ones otherwise."""
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {name!r}")
+    return DTYPE_BYTES[name]
+
+
+def safetensors_parameters(path: Path) -> int:
+    """The number of parameters in a safetensors file, from its header alone."""
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    return sum(prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+
+
+def shape_of(folder: Path) -> Shape:
+    """The sizing shape of the model stored in ``folder``."""
+    config = json.loads((folder / "config.json").read_text())
+    heads = int(config["num_attention_heads"])
+    hidden = int(config["hidden_size"])
+    return Shape(
+        parameters=sum(safetensors_parameters(p) for p in sorted(folder.glob("*.safetensors"))),
+        layers=int(config["num_hidden_layers"]),
+        kv_heads=int(config.get("num_key_value_heads", heads)),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        hidden=hidden,
+        intermediate=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]),
+    )
+
+
+def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str | None = None,
+             memory: int | None = None) -> Estimate:
+    """Size ``shape`` served in ``dtype`` at ``batch`` sequences of ``context`` tokens."""
+    if context < 1 or batch < 1:
+        raise ValueError(f"context and batch must be at least 1, got context={context} batch={batch}")
+    weight_bytes = dtype_bytes(dtype)
+    compute_bytes = 4.0 if weight_bytes >= 4 else 2.0
+    weights = int(shape.parameters * weight_bytes)
+    kv_per_token = int(2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes(kv_dtype or dtype))
+    per_sequence_act = int(shape.vocab * 4 + (4 * shape.hidden + 2 * shape.intermediate) * compute_bytes)
+    max_batch = None
+    if memory is not None:
+        free = memory - weights
+        per_sequence = kv_per_token * context + per_sequence_act
+        max_batch = max(0, free // per_sequence)
+    return Estimate(weights=weights, kv_per_token=kv_per_token, kv_total=kv_per_token * context * batch,
+                    activations=per_sequence_act * batch, recommended_ram=2 * weights, max_batch=max_batch)

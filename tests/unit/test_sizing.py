@@ -1,0 +1,64 @@
+"""Sizing arithmetic: checked by hand against SmolLM2-135M's config."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aiserve.sizing import Shape, estimate, shape_of
+from suite.cli import cmd_size
+
+SMOL = Shape(parameters=134_515_008, layers=30, kv_heads=3, head_dim=64, hidden=576,
+             intermediate=1536, vocab=49152)
+
+
+def test_kv_per_token_is_two_by_layers_heads_dim_bytes() -> None:
+    assert estimate(SMOL, "bf16", 2048, 64).kv_per_token == 2 * 30 * 3 * 64 * 2
+    assert estimate(SMOL, "bf16", 2048, 64, kv_dtype="int8").kv_per_token == 2 * 30 * 3 * 64
+
+
+def test_weights_recommended_ram_and_kv_total() -> None:
+    e = estimate(SMOL, "bf16", 2048, 64)
+    assert e.weights == 2 * SMOL.parameters
+    assert e.recommended_ram == 2 * e.weights
+    assert e.kv_total == e.kv_per_token * 2048 * 64
+    assert estimate(SMOL, "int4", 8, 1).weights == SMOL.parameters // 2
+
+
+def test_max_batch_fits_memory() -> None:
+    memory = 4 * 2**30
+    e = estimate(SMOL, "bf16", 2048, 1, memory=memory)
+    assert e.max_batch is not None
+    per_seq = e.kv_per_token * 2048 + e.activations
+    assert e.weights + e.max_batch * per_seq <= memory < e.weights + (e.max_batch + 1) * per_seq
+
+
+def test_bad_dtype_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        estimate(SMOL, "fp7", 8, 1)
+
+
+def test_shape_of_reads_config_and_safetensors_header(tmp_path: Path) -> None:
+    config = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32,
+              "num_hidden_layers": 3, "intermediate_size": 64, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"a": torch.zeros(100, 32), "b": torch.zeros(3, 5, 7)}, str(tmp_path / "model.safetensors"))
+    shape = shape_of(tmp_path)
+    assert shape == Shape(parameters=100 * 32 + 3 * 5 * 7, layers=3, kv_heads=2, head_dim=8,
+                          hidden=32, intermediate=64, vocab=100)
+
+
+def test_size_command_prints_the_estimate(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "m" / "1"
+    folder.mkdir(parents=True)
+    test_shape_of_reads_config_and_safetensors_header(folder)
+    assert cmd_size(argparse.Namespace(target="m@1", store=str(tmp_path), dtype="bf16", kv_dtype="int8",
+                                       context=16, batch=2, memory=10**6)) == 0
+    out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+    assert out["kv_per_token"] == str(2 * 3 * 2 * 8)
+    assert int(out["max_batch"]) >= 1
