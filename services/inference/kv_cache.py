@@ -26,6 +26,22 @@ from services.inference.prefix_index import BlockCopy
 from services.inference.slot_table import SlotMove
 
 _MAX_SIZED_BYTES = 1 << 40  # a cache sized from sequences obeys kv_cache_bytes' own limit
+INT8_SCALE_DTYPE = torch.float32  # one symmetric scale per token per head, stored beside the int8 values
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of ``x [..., head_dim]`` with one scale per row (per token per head):
+    ``scale = max|x| / 127``, values rounded to nearest. Dequantized error per element is at most
+    ``scale / 2``. Returns (int8 values, float32 scales of shape ``x.shape[:-1]``)."""
+    amax = x.detach().abs().amax(dim=-1).to(INT8_SCALE_DTYPE)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(x.to(INT8_SCALE_DTYPE) / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of ``quantize_int8`` in ``dtype`` (the attention's compute dtype)."""
+    return (q.to(INT8_SCALE_DTYPE) * scale.unsqueeze(-1)).to(dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,9 +55,13 @@ class KVLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        """K and V of every layer for one token."""
+        """K and V of every layer for one token; an int8 cache also pays one float32 scale per
+        token per head for each of K and V."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize  # K and V
+        per_head = self.head_dim * itemsize
+        if self.dtype == torch.int8:
+            per_head += torch.empty((), dtype=INT8_SCALE_DTYPE).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * per_head  # K and V
 
 
 @dataclass(frozen=True, slots=True)
