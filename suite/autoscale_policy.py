@@ -54,9 +54,12 @@ def desired(policy: Policy, current: int, waiting_per_replica: float) -> int:
     return raw_desired(current, waiting_per_replica, policy.target_per_replica, policy.tolerance)
 
 
-def prometheus_query(policy: Policy, model: str) -> str:
+def prometheus_query(policy: Policy, model: str = "") -> str:
     """The query that KEDA's prometheus trigger (and prometheus-adapter) read: the mean of the
-    queue gauge over the model's replicas."""
+    queue gauge over the replicas. The inference service's gauge has no model label yet, so the
+    shipped manifests (one model per Deployment) leave ``model`` empty and average every replica."""
+    if not model:
+        return f"avg({policy.metric_name})"
     return f'avg({policy.metric_name}{{model="{model}"}})'
 
 

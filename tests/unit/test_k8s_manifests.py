@@ -4,7 +4,7 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from suite.autoscale_policy import POLICY_PATH
+from suite.autoscale_policy import POLICY_PATH, load_policy, prometheus_query
 
 BASE = Path(__file__).resolve().parents[2] / "deploy" / "k8s" / "base"
 COLD_START_BUSY_S = 7.0
@@ -74,4 +74,6 @@ def test_scaled_object_expresses_the_policy() -> None:
     assert behavior["scaleDown"]["stabilizationWindowSeconds"] == policy["scale_down"]["stabilization_window_s"]
     trigger = spec["triggers"][0]
     assert policy["metric"]["name"] in trigger["metadata"]["query"]
+    # The gauge has no model label: a label filter would match nothing and KEDA would never scale
+    assert trigger["metadata"]["query"] == prometheus_query(load_policy())
     assert float(trigger["metadata"]["threshold"]) == policy["metric"]["target_per_replica"]
