@@ -187,8 +187,21 @@ def test_user_is_recorded_in_the_ledger_row(suite: Suite) -> None:
 # --- log-probabilities and structured output (the engine's, through the door) -----------------
 
 WAITS_ON_ENGINE = pytest.mark.xfail(
-    strict=True, reason="needs log-probabilities and JSON-schema constrained decoding in the engine and the "
-    "gateway's GenerateResponse (branch struct); once merged these pass and strict xfail fails: drop this mark")
+    strict=True, reason="the engine does not compute log-probabilities or constrain decoding yet, so the gateway "
+    "refuses these requests (test_unserved_options_are_refused_not_ignored); when it does, strict xfail fails: "
+    "drop this mark")
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"logprobs": True, "top_logprobs": 2}, "logprobs: not served yet"),
+    ({"response_format": {"type": "json_object"}}, "response_format: not served yet"),
+])
+def test_unserved_options_are_refused_not_ignored(suite: Suite, params: dict[str, Any], needle: str) -> None:
+    """Until the engine serves them, asking for log-probabilities or a format is a 400, never free text."""
+    with pytest.raises(openai.BadRequestError) as info:
+        client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=4,
+                                              **params)
+    assert needle in str(info.value)
 
 
 @WAITS_ON_ENGINE
