@@ -77,3 +77,39 @@ def test_scaled_object_expresses_the_policy() -> None:
     # The gauge has no model label: a label filter would match nothing and KEDA would never scale
     assert trigger["metadata"]["query"] == prometheus_query(load_policy())
     assert float(trigger["metadata"]["threshold"]) == policy["metric"]["target_per_replica"]
+
+
+def _deployments() -> dict[str, dict]:
+    return {d["metadata"]["name"]: d for d in _docs() if d["kind"] == "Deployment"}
+
+
+def test_every_service_has_resources_and_a_pre_stop_pause_before_its_drain() -> None:
+    deployments = _deployments()
+    assert set(deployments) == {"tokenizer", "inference", "cache", "gateway"}
+    for name, deploy in deployments.items():
+        container = deploy["spec"]["template"]["spec"]["containers"][0]
+        assert set(container["resources"]) == {"requests", "limits"}, name
+        assert container["lifecycle"]["preStop"]["sleep"]["seconds"] > 0, name
+
+
+def test_inference_memory_covers_the_weights_and_kv_cache_of_its_sizing() -> None:
+    container = _deployments()["inference"]["spec"]["template"]["spec"]["containers"][0]
+    gib = 1024**3
+    weights = 2 * 256.6 * 1024**2  # bf16 weights, twice the model as load headroom
+    kv = 64 * 2048 * 23_040  # 64 sequences x 2048 tokens x KV bytes per token (bf16)
+    request = int(container["resources"]["requests"]["memory"].removesuffix("Gi")) * gib
+    assert request >= weights + kv
+    limit = int(container["resources"]["limits"]["memory"].removesuffix("Gi")) * gib
+    assert limit > request
+
+
+def test_the_model_store_is_one_volume_written_by_the_pull_job_and_mounted_read_only() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in _docs()}
+    assert ("PersistentVolumeClaim", "aiserve-models") in docs
+    job = docs[("Job", "aiserve-models-pull")]["spec"]["template"]["spec"]
+    assert job["containers"][0]["command"] == ["aiserve", "models", "pull"]
+    for name in ("tokenizer", "inference"):
+        pod = _deployments()[name]["spec"]["template"]["spec"]
+        claims = [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert {"claimName": "aiserve-models", "readOnly": True} in claims, name
+        assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"]), name
