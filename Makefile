@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export AISERVE_HOME ?= $(CURDIR)/var
 
-.PHONY: run test lint curl protos model venv bench bench-peers lock clean
+.PHONY: run test lint curl promtool protos model venv bench bench-peers lock clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,12 +35,17 @@ lint: protos
 	$(VENV)/bin/mypy aiserve services suite
 	$(VENV)/bin/vulture
 
-test: model lint curl
+test: model lint curl promtool
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The HTTP door's SSE test runs curl (tests/integration/test_openai_http.py).
 curl:
 	@command -v curl >/dev/null || (apt-get update -qq && apt-get install -y -qq curl)
+
+# The alert rules' tests run promtool (tests/unit/test_prometheus_rules.py); Debian's
+# prometheus package provides it.
+promtool:
+	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 
 bench: model
 	$(PY) -m bench.run
