@@ -1,0 +1,83 @@
+"""The Grafana dashboard of aiserve, generated from code: ``python -m suite.dashboard`` writes
+deploy/grafana/aiserve.json (tests/unit/test_dashboard.py checks the file is what this builds and
+that every metric a panel queries is one the services export, docs/metrics.md).
+
+Panels read a Prometheus data source chosen on import (the ``DS_PROMETHEUS`` input); the jobs are
+named aiserve-<service> as in deploy/prometheus/prometheus.yml."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "aiserve.json"
+DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+GATEWAY_CALLS = 'aiserve_rpc_total{service="gateway"}'
+
+
+def _quantiles(bucket: str, selector: str) -> list[tuple[str, str]]:
+    return [(f"p{q}", f"histogram_quantile(0.{q}, sum(rate({bucket}{{{selector}}}[5m])) by (le))")
+            for q in ("50", "95", "99")]
+
+
+# (title, unit, [(legend, PromQL)])
+PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("Gateway calls by method", "reqps", [("{{method}}", f"sum(rate({GATEWAY_CALLS}[5m])) by (method)")]),
+    ("Gateway calls by status code (not OK)", "reqps",
+     [("{{code}}", 'sum(rate(aiserve_rpc_total{service="gateway",code!="OK"}[5m])) by (code)')]),
+    ("Generate end to end (p50/p95/p99)", "s",
+     _quantiles("aiserve_rpc_seconds_bucket", 'service="gateway",method=~"Generate|Complete"')),
+    ("Inference queue and running batch", "short",
+     [("waiting {{instance}}", "aiserve_inference_queue_length"), ("running {{instance}}", "aiserve_inference_running")]),
+    ("KV cache in use", "percentunit",
+     [("{{instance}}", "aiserve_inference_kv_used_bytes / aiserve_inference_kv_total_bytes")]),
+    ("Tokens per second", "short",
+     [("generated {{instance}}", "rate(aiserve_inference_generated_tokens_total[5m])"),
+      ("billed {{kind}}", "sum(rate(aiserve_gateway_tokens_total[5m])) by (kind)")]),
+    ("Cache hit rate", "percentunit",
+     [("hits", 'sum(rate(aiserve_gateway_cache_lookups_total{outcome=~"hit|hit_cancelled"}[5m]))'
+               " / sum(rate(aiserve_gateway_cache_lookups_total[5m]))")]),
+    ("Cost by tenant tier (per hour)", "short",
+     [("{{tier}}", "sum(increase(aiserve_gateway_cost_micros_total[1h])) by (tier) / 1e6")]),
+    ("Serving instances by service", "short", [("{{job}}", "sum(aiserve_serving) by (job)")]),
+    ("Answers by model@version (canary vs stable)", "reqps",
+     [("{{model}}", "sum(rate(aiserve_gateway_requests_total[5m])) by (model)"),
+      ("rolled back {{model}}", "increase(aiserve_gateway_canary_rollbacks_total[15m])")]),
+    ("Speculative drafts accepted", "percentunit",
+     [("{{instance}}", "rate(aiserve_inference_accepted_draft_tokens_total[5m])"
+                       " / rate(aiserve_inference_draft_tokens_total[5m])")]),
+    ("Resident memory by service", "bytes", [("{{job}} {{instance}}", 'process_resident_memory_bytes{job=~"aiserve-.*"}')]),
+]
+
+
+def build() -> dict[str, Any]:
+    """The dashboard as Grafana's JSON model: one time-series panel per entry of PANELS, two a row."""
+    panels = []
+    for index, (title, unit, targets) in enumerate(PANELS):
+        panels.append({
+            "id": index + 1, "type": "timeseries", "title": title, "datasource": DATASOURCE,
+            "gridPos": {"h": 8, "w": 12, "x": 12 * (index % 2), "y": 8 * (index // 2)},
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "targets": [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "expr": expr, "legendFormat": legend}
+                        for i, (legend, expr) in enumerate(targets)],
+        })
+    return {
+        "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
+                      "pluginId": "prometheus", "pluginName": "Prometheus"}],
+        "title": "aiserve", "uid": "aiserve", "tags": ["aiserve"], "timezone": "utc", "schemaVersion": 39,
+        "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2) + "\n"
+
+
+def main() -> None:
+    OUT.write_text(render())
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
