@@ -29,7 +29,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Generate end to end (p50/p95/p99)", "s",
      _quantiles("aiserve_rpc_seconds_bucket", 'service="gateway",method=~"Generate|Complete"')),
     ("Inference queue and running batch", "short",
-     [("waiting {{instance}}", "aiserve_inference_queue_length"), ("running {{instance}}", "aiserve_inference_running")]),
+     [("waiting {{instance}}", "aiserve_inference_queue_length"),
+      ("running {{instance}}", "aiserve_inference_running")]),
     ("KV cache in use", "percentunit",
      [("{{instance}}", "aiserve_inference_kv_used_bytes / aiserve_inference_kv_total_bytes")]),
     ("Tokens per second", "short",
@@ -47,7 +48,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("Speculative drafts accepted", "percentunit",
      [("{{instance}}", "rate(aiserve_inference_accepted_draft_tokens_total[5m])"
                        " / rate(aiserve_inference_draft_tokens_total[5m])")]),
-    ("Resident memory by service", "bytes", [("{{job}} {{instance}}", 'process_resident_memory_bytes{job=~"aiserve-.*"}')]),
+    ("Resident memory by service", "bytes",
+     [("{{job}} {{instance}}", 'process_resident_memory_bytes{job=~"aiserve-.*"}')]),
 ]
 
 
