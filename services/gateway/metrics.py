@@ -3,16 +3,38 @@ gateways in one process never share or rebind a metric)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.cache_lookup import OUTCOMES
 from services.gateway.domain import Final
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+_LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True, slots=True)
+class SloTargets:
+    """The service-level targets (GatewayConfig.slo_*), in seconds: bucket bounds of the histograms,
+    so that "the share of requests within target" is exact, not interpolated."""
+
+    ttft_s: float = 2.0
+    tpot_s: float = 0.15
+    e2e_s: float = 30.0
+
+
+def with_targets(buckets: tuple[float, ...], *targets: float) -> list[float]:
+    """``buckets`` with every target added as a bound of its own, in order, without duplicates."""
+    return sorted({*buckets, *targets})
 
 
 class GatewayMetrics:
     """Finished generations, tokens billed and cost billed; cache lookups; whether the cache is in use."""
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, slo: SloTargets | None = None) -> None:
+        slo = slo or SloTargets()
         self.requests = Counter("aiserve_gateway_requests_total",
                                 "Finished generations, by the name@version that answered",
                                 ["model", "finish_reason", "cache_hit"], registry=registry)
@@ -28,6 +50,17 @@ class GatewayMetrics:
             self.cache_lookups.labels(outcome)
         self.cache_available = Gauge("aiserve_gateway_cache_available",
                                      "1 while a cache replica is SERVING (else caching is skipped)", registry=registry)
+        self.ttft = Histogram("aiserve_gateway_ttft_seconds", "Time to first token, by the name@version that answered",
+                              ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.ttft_s), registry=registry)
+        self.tpot = Histogram("aiserve_gateway_time_per_output_token_seconds",
+                              "Time per output token after the first (generations of 2 tokens or more)",
+                              ["model"], buckets=with_targets(_TOKEN_BUCKETS, slo.tpot_s), registry=registry)
+        self.e2e = Histogram("aiserve_gateway_e2e_seconds", "A generation end to end, admission to last token",
+                             ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.e2e_s), registry=registry)
+        self.queue = Histogram("aiserve_gateway_queue_seconds", "Time a generation waited in the inference queue",
+                               ["model"], buckets=_LATENCY_BUCKETS, registry=registry)
+        self.output_tokens = Histogram("aiserve_gateway_output_tokens", "Tokens generated per request (answer length)",
+                                       ["model"], buckets=_LENGTH_BUCKETS, registry=registry)
 
     def set_cache_available(self, available: bool) -> None:
         """Whether answers are looked up in and stored to the cache now."""
@@ -43,3 +76,10 @@ class GatewayMetrics:
         self.tokens.labels("prompt").inc(final.usage.prompt_tokens)
         self.tokens.labels("completion").inc(final.usage.completion_tokens)
         self.cost.labels(tier).inc(final.usage.cost_micros)
+        u = final.usage
+        self.ttft.labels(u.model).observe(u.ttft_ms / 1000)
+        self.e2e.labels(u.model).observe(u.total_ms / 1000)
+        self.queue.labels(u.model).observe(u.queue_ms / 1000)
+        self.output_tokens.labels(u.model).observe(u.completion_tokens)
+        if u.completion_tokens >= 2:
+            self.tpot.labels(u.model).observe(max(0, u.total_ms - u.ttft_ms) / 1000 / (u.completion_tokens - 1))

@@ -65,3 +65,12 @@ def test_the_local_scrape_config_is_valid_and_names_the_jobs_the_rules_expect() 
     assert result.returncode == 0, result.stdout + result.stderr
     jobs = {c["job_name"] for c in yaml.safe_load(config.read_text())["scrape_configs"]}
     assert jobs == {f"aiserve-{name}" for name in ("gateway", "tokenizer", "inference", "cache")}
+
+
+def test_the_ttft_alert_uses_the_gateway_default_target() -> None:
+    from services.gateway.config import GatewayConfig
+
+    target = GatewayConfig().slo_ttft_s
+    thresholds = {a["labels"]["severity"]: float(a["expr"].rsplit(">", 1)[1]) for a in alerts()
+                  if a["alert"] == "AiserveTTFTOverTarget"}
+    assert thresholds == {"warning": target, "critical": 2 * target}
