@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -35,22 +34,10 @@ from aiserve.common.paths import MODEL_STORE_ENV
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from bench.measure import consume, machine, run_and_write
 from suite.config import SERVICES
-from suite.runner import Suite, SuiteConfig
+from suite.runner import Suite, SuiteConfig, free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` ports free now (bound together, so distinct; released for the suite to bind)."""
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def phases(log: Path, launched: float) -> dict[str, dict[str, float]]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Awaitable, Coroutine, Iterable
@@ -35,10 +36,22 @@ from suite.process import read_announced_ports, spawn_service, wait_exit
 from suite.supervisor import Supervisor
 from suite.version_instances import stop_all_versions
 
-__all__ = ["BACKENDS", "SERVICES", "SERVICE_CONFIGS", "Suite", "SuiteConfig"]
+__all__ = ["BACKENDS", "SERVICES", "SERVICE_CONFIGS", "Suite", "SuiteConfig", "free_ports"]
 
 STOP_TIMEOUT_S = 30.0
 """How long a child may take to exit after SIGTERM before it is killed (above every grace_s)."""
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` ports free now (bound together, so distinct; released for the suite to bind)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 class Suite:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import urllib.request
 from collections.abc import Iterator
@@ -19,23 +18,12 @@ from pathlib import Path
 import pytest
 
 from aiserve.store import ModelStore
-from suite.runner import Suite
+from suite.runner import Suite, free_ports
 from tests.integration.conftest import config_for_tests, eventually, run_suite
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERT = "AiserveNoHealthyInference"
 TIMEOUT_S = 120
-
-
-def free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 @pytest.fixture(scope="module")
