@@ -3,26 +3,15 @@ gateways in one process never share or rebind a metric)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.gateway.cache_lookup import OUTCOMES
+from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 _LENGTH_BUCKETS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
-@dataclass(frozen=True, slots=True)
-class SloTargets:
-    """The service-level targets (GatewayConfig.slo_*), in seconds: bucket bounds of the histograms,
-    so that "the share of requests within target" is exact, not interpolated."""
-
-    ttft_s: float = 2.0
-    tpot_s: float = 0.15
-    e2e_s: float = 30.0
 
 
 def with_targets(buckets: tuple[float, ...], *targets: float) -> list[float]:
@@ -33,8 +22,10 @@ def with_targets(buckets: tuple[float, ...], *targets: float) -> list[float]:
 class GatewayMetrics:
     """Finished generations, tokens billed and cost billed; cache lookups; whether the cache is in use."""
 
-    def __init__(self, registry: CollectorRegistry, slo: SloTargets | None = None) -> None:
-        slo = slo or SloTargets()
+    def __init__(self, registry: CollectorRegistry, config: GatewayConfig | None = None) -> None:
+        """The latency histograms' bounds include ``config``'s SLO targets (slo_ttft_s, slo_tpot_s,
+        slo_e2e_s), so that "the share of requests within target" is exact, not interpolated."""
+        slo = config or GatewayConfig()
         self.requests = Counter("aiserve_gateway_requests_total",
                                 "Finished generations, by the name@version that answered",
                                 ["model", "finish_reason", "cache_hit"], registry=registry)
@@ -51,12 +42,12 @@ class GatewayMetrics:
         self.cache_available = Gauge("aiserve_gateway_cache_available",
                                      "1 while a cache replica is SERVING (else caching is skipped)", registry=registry)
         self.ttft = Histogram("aiserve_gateway_ttft_seconds", "Time to first token, by the name@version that answered",
-                              ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.ttft_s), registry=registry)
+                              ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.slo_ttft_s), registry=registry)
         self.tpot = Histogram("aiserve_gateway_time_per_output_token_seconds",
                               "Time per output token after the first (generations of 2 tokens or more)",
-                              ["model"], buckets=with_targets(_TOKEN_BUCKETS, slo.tpot_s), registry=registry)
+                              ["model"], buckets=with_targets(_TOKEN_BUCKETS, slo.slo_tpot_s), registry=registry)
         self.e2e = Histogram("aiserve_gateway_e2e_seconds", "A generation end to end, admission to last token",
-                             ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.e2e_s), registry=registry)
+                             ["model"], buckets=with_targets(_LATENCY_BUCKETS, slo.slo_e2e_s), registry=registry)
         self.queue = Histogram("aiserve_gateway_queue_seconds", "Time a generation waited in the inference queue",
                                ["model"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.output_tokens = Histogram("aiserve_gateway_output_tokens", "Tokens generated per request (answer length)",

@@ -35,7 +35,7 @@ from services.gateway.messages import (
     request_from_pb,
     usage_response_to_pb,
 )
-from services.gateway.metrics import GatewayMetrics, SloTargets
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import Pipeline
 from services.gateway.route_store import RouteStore
 from services.gateway.validation import refuse_unserved, usage_period
@@ -161,7 +161,7 @@ async def create_server(config: GatewayConfig, observer: RequestObserver | None 
     handle = new_server("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name,
                                     admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name],
                         config.host, config.port)
-    metrics = GatewayMetrics(handle.registry, SloTargets(config.slo_ttft_s, config.slo_tpot_s, config.slo_e2e_s))
+    metrics = GatewayMetrics(handle.registry, config)
     backends = Backends(config, metrics.set_cache_available, RouteStore(config.routes_file()))
     canaries = CanaryWatch(config.judge, handle.registry)
 

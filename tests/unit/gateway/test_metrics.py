@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry
 from aiserve.common.finish import FinishReason
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final, UsageRecord
-from services.gateway.metrics import GatewayMetrics, SloTargets, with_targets
+from services.gateway.metrics import GatewayMetrics, with_targets
 
 
 def final(completion_tokens: int, ttft_ms: int, total_ms: int, queue_ms: int = 30) -> Final:
@@ -23,7 +23,7 @@ def test_targets_become_bucket_bounds_once_and_in_order() -> None:
 
 def test_a_generation_is_observed_in_each_histogram() -> None:
     registry = CollectorRegistry()
-    metrics = GatewayMetrics(registry, SloTargets(ttft_s=1.7, tpot_s=0.06, e2e_s=9.0))
+    metrics = GatewayMetrics(registry, GatewayConfig(slo_ttft_s=1.7, slo_tpot_s=0.06, slo_e2e_s=9.0))
     metrics.record(final(completion_tokens=5, ttft_ms=200, total_ms=1000), tier="free")
     labels = {"model": "m@1"}
     value = registry.get_sample_value
