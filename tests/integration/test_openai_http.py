@@ -186,25 +186,6 @@ def test_user_is_recorded_in_the_ledger_row(suite: Suite) -> None:
 
 # --- log-probabilities and structured output (the engine's, through the door) -----------------
 
-WAITS_ON_ENGINE = pytest.mark.xfail(
-    strict=True, reason="the engine does not compute log-probabilities or constrain decoding yet, so the gateway "
-    "refuses these requests (test_unserved_options_are_refused_not_ignored); when it does, strict xfail fails: "
-    "drop this mark")
-
-
-@pytest.mark.parametrize("params, needle", [
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs: not served yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format: not served yet"),
-])
-def test_unserved_options_are_refused_not_ignored(suite: Suite, params: dict[str, Any], needle: str) -> None:
-    """Until the engine serves them, asking for log-probabilities or a format is a 400, never free text."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=4,
-                                              **params)
-    assert needle in str(info.value)
-
-
-@WAITS_ON_ENGINE
 def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=6,
                                                    temperature=0, logprobs=True, top_logprobs=3)
@@ -217,7 +198,6 @@ def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     assert "".join(i.token for i in content) == answer.choices[0].message.content
 
 
-@WAITS_ON_ENGINE
 def test_completions_logprobs(suite: Suite) -> None:
     answer = client(suite).completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                               max_tokens=5, temperature=0, logprobs=2)
@@ -231,13 +211,37 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "populati
           "required": ["city", "population"], "additionalProperties": False}
 
 
-@WAITS_ON_ENGINE
 def test_json_schema_answer_validates(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(
         model="smollm2-135m-instruct", messages=chat("Give a city and its population as JSON."), max_tokens=64,
         temperature=0, response_format={"type": "json_schema",
                                         "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
+
+
+def test_json_object_answer_is_an_object(suite: Suite) -> None:
+    answer = client(suite).chat.completions.create(
+        model="smollm2-135m-instruct", messages=chat("What is the capital of France? Answer as JSON."), max_tokens=64, temperature=0,
+        response_format={"type": "json_object"})
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+    assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+
+
+async def test_streamed_logprobs_arrive_with_their_tokens(suite: Suite) -> None:
+    stream = await async_client(suite).chat.completions.create(
+        model="smollm2-135m-instruct", messages=chat(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True, stream_options={"include_usage": True})
+    tokens, text, completion_tokens = [], "", 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                tokens.extend(choice.logprobs.content)
+    assert len(tokens) == completion_tokens > 0
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
+    assert "".join(t.token for t in tokens).startswith(text)
 
 
 # --- errors -----------------------------------------------------------------------------------
