@@ -93,11 +93,13 @@ def plot(path: Path, result: Result, policy: Policy, slo_s: float, title: str) -
     queue_label = f"{prometheus_query(policy)} (target {policy.target_per_replica:g})"
     axes[2].plot(seconds, result.metric, lw=0.8, label=queue_label)
     axes[2].set_ylabel("waiting / replica")
+    axes[2].set_ylim(bottom=0)
     if policy.rate_counter:
         twin = axes[2].twinx()
         twin.plot(seconds, result.token_rate / policy.rate_target_per_replica, lw=0.8, color="tab:green",
                   label="tokens/s over the fleet / target per replica")
         twin.set_ylabel("replicas' worth of tokens/s")
+        twin.set_ylim(bottom=0)
         twin.legend(loc="upper right")
     axes[2].legend(loc="upper left")
     top = 2 * slo_s
