@@ -133,7 +133,9 @@ def test_dockerfile_base_image_is_pinned(dockerfile: str) -> None:
 
 def test_dockerfile_installs_the_lock_with_the_cpu_torch_index(dockerfile: str) -> None:
     runs = " ".join(line for line in dockerfile.replace("\\\n", " ").splitlines() if line.startswith("RUN"))
-    assert re.search(r"pip install [^&]*--extra-index-url https://download\.pytorch\.org/whl/cpu"
+    # The torch index is a build argument (the CUDA image of deploy/k8s/overlays/cuda) whose default is the CPU one.
+    assert re.search(r"^ARG TORCH_CHANNEL=cpu$", dockerfile, flags=re.MULTILINE)
+    assert re.search(r"pip install [^&]*--extra-index-url https://download\.pytorch\.org/whl/\$\{TORCH_CHANNEL\}"
                      r" -r requirements\.lock", runs)
     assert "scripts/gen_protos.py" in runs
     assert "pip install --no-deps -e ." in runs
