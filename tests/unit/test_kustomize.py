@@ -6,6 +6,7 @@ is installed; the other tests hold the renderer's rules on their own.
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -35,12 +36,25 @@ def _real_kustomize(folder: Path) -> list[dict] | None:
     return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
-@pytest.mark.parametrize("folder", FOLDERS)
-def test_the_renderer_agrees_with_kustomize(folder: str) -> None:
-    real = _real_kustomize(K8S / folder)
+def _overlay_with_component(tmp_path: Path, overlay: str, component: str) -> Path:
+    """A kustomization in ``tmp_path`` that adds a component to an overlay, as a user would write
+    it (kustomize wants the paths relative)."""
+    spec = {"resources": [os.path.relpath(K8S / overlay, tmp_path)],
+            "components": [os.path.relpath(K8S / "components" / component, tmp_path)]}
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(spec))
+    return tmp_path
+
+
+@pytest.mark.parametrize(("folder", "component"), [
+    *((folder, None) for folder in FOLDERS),
+    *((f"overlays/{o}", c) for o in ("cpu", "cuda") for c in ("keda", "hpa")),
+])
+def test_the_renderer_agrees_with_kustomize(tmp_path: Path, folder: str, component: str | None) -> None:
+    path = K8S / folder if component is None else _overlay_with_component(tmp_path, folder, component)
+    real = _real_kustomize(path)
     if real is None:
         pytest.skip("neither kubectl nor kustomize is installed; the other tests check the renderer")
-    ours = render(K8S / folder)
+    ours = render(path)
     assert len(ours) == len(real)  # kustomize reorders by kind; compare resource by resource
     assert _by_id(ours) == _by_id(real)
 
