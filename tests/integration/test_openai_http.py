@@ -221,8 +221,8 @@ def test_json_schema_answer_validates(suite: Suite) -> None:
 
 def test_json_object_answer_is_an_object(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(
-        model="smollm2-135m-instruct", messages=chat("What is the capital of France? Answer as JSON."), max_tokens=64, temperature=0,
-        response_format={"type": "json_object"})
+        model="smollm2-135m-instruct", messages=chat("What is the capital of France? Answer as JSON."), max_tokens=64,
+        temperature=0, response_format={"type": "json_object"})
     assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
     assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
 
@@ -367,3 +367,23 @@ async def test_http_and_grpc_bill_the_same_request_alike(suite: Suite) -> None:
         (http_row.prompt_tokens, http_row.completion_tokens, http_row.cost_micros)
     assert (grpc_usage.prompt_tokens, grpc_usage.completion_tokens, grpc_usage.cost_micros) == \
         (grpc_row.prompt_tokens, grpc_row.completion_tokens, grpc_row.cost_micros)
+
+
+async def test_grpc_generate_serves_logprobs_and_a_json_schema(suite: Suite) -> None:
+    """The primary contract serves both options too: Complete with a schema and the top 3
+    alternatives gives JSON that validates, one TokenLogprob per token, each with its bytes."""
+    request = gateway_pb2.GenerateRequest(
+        model="smollm2-135m-instruct", sampling=common_pb2.SamplingParams(max_new_tokens=64, temperature=0),
+        logprobs=gateway_pb2.LogprobsOptions(enabled=True, top_logprobs=3),
+        response_format=gateway_pb2.ResponseFormat(json_schema=gateway_pb2.JsonSchemaFormat(
+            name="city", schema=json.dumps(SCHEMA))))
+    request.chat.messages.add(role="user", content="Give a city and its population as JSON.")
+    async with aio.insecure_channel(suite.config.address("gateway")) as channel:
+        reply = await gateway_pb2_grpc.GatewayStub(channel).Complete(request, timeout=TIMEOUT_S,
+                                                                     metadata=auth(dev_key(suite)))
+    jsonschema.validate(json.loads(reply.text), SCHEMA)
+    assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+    assert b"".join(lp.token_bytes for lp in reply.logprobs).decode().startswith(reply.text)
+    for lp in reply.logprobs:
+        assert lp.logprob <= 0 and 1 <= len(lp.top) <= 3
+        assert lp.top[0].logprob >= lp.logprob - 1e-6  # greedy picks the most likely allowed token
