@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger, log_startup
 from services.inference.draft_planning import max_logit_rows
@@ -57,7 +57,8 @@ class BatchEngine:
                  grammars: Grammars | None = None) -> None:
         config = config or EngineConfig()
         c = model.config
-        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+        kv_dtype = torch.int8 if config.kv_cache.kv_dtype == "int8" else model.dtype
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         plan = KVPlan.fit(config.kv_cache, layout, config.scheduler.max_num_seqs, c.max_position_embeddings)
         self.model, self.eos_ids, self.config = model, eos_ids, config
         self.grammars = grammars
@@ -240,11 +241,26 @@ class BatchEngine:
         with self._lock:
             if not self._is_accepting:
                 raise Unavailable("inference is draining; retry on another replica")
+            self._refuse_long_when_full(len(prompt) + request.max_new_tokens)
             self.scheduler.add(seq)  # ResourceExhausted when the queue is full
             self._records[seq] = record
             self._num_requests += 1
             self._lock.notify_all()
         return record
+
+    def _refuse_long_when_full(self, num_tokens: int) -> None:
+        """Past ``refuse_long_above`` of the KV cache in use, a long request is refused at once
+        (lock held): queued, it would wait for or preempt what runs and be recomputed, thrashing."""
+        kv = self.config.kv_cache
+        if not kv.refuse_long_above or num_tokens <= kv.long_context_tokens:
+            return
+        s = engine_stats(self.scheduler, self.cache, 0, 0, 0, 0)
+        fill = s.kv_used_bytes / s.kv_total_bytes if s.kv_total_bytes else 0.0
+        if fill >= kv.refuse_long_above:
+            raise ResourceExhausted(
+                f"kv cache: {fill:.0%} in use, over the {kv.refuse_long_above:.0%} threshold (refuse_long_above); "
+                f"requests of more than {kv.long_context_tokens} tokens (prompt + max_new_tokens: {num_tokens}) "
+                "are refused until it drains; retry later, or ask for fewer tokens")
 
     def _validate(self, request: GenerateRequest) -> None:
         prompt, vocab = request.prompt_token_ids, self.model.config.vocab_size

@@ -3,6 +3,7 @@ an engine measured by the benchmark is the engine the service runs with the same
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from aiserve.model_facts import read_model_facts
@@ -16,7 +17,10 @@ from services.inference.precision import Precision, choose_precision, read_cpu_f
 
 def machine_precision(config: InferenceConfig) -> Precision:
     """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo)."""
-    return choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+    precision = choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+    if config.engine.kv_cache.kv_dtype == "int8":
+        return dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
+    return precision
 
 
 def build_engine(config: InferenceConfig, folder: Path, precision: Precision | None = None) -> BatchEngine:

@@ -112,7 +112,9 @@ class ModelRunner:
     def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
         rows = [BatchRow(c.slot, c.start, c.token_ids, c.is_sampled, c.num_drafts) for c in output.chunks]
         batch = build_batch(rows, self.model.config, self.cache.plan.slot_len, self.model.device)
-        logits = self.model.forward(batch, self.cache.k, self.cache.v)  # [R, V]; 1 + drafts per chunk
+        cache = self.cache
+        # [R, V]; 1 + drafts per chunk
+        logits = self.model.forward(batch, cache.k, cache.v, cache.k_scale, cache.v_scale)
         chunks = [c for c in output.chunks if c.is_sampled]
         if not chunks:
             return []
