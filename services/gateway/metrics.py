@@ -4,7 +4,7 @@ gateways in one process never share or rebind a metric)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,7 +14,6 @@ from services.gateway.accounting import CallOutcome
 from services.gateway.cache_lookup import OUTCOMES
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final
-from services.gateway.pool import ReplicaPool
 from services.gateway.replicas import State
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -102,11 +101,33 @@ class GatewayMetrics:
             self.tpot.labels(u.model).observe(max(0, u.total_ms - u.ttft_ms) / 1000 / (u.completion_tokens - 1))
 
 
+class Watched(Protocol):
+    """A replica as the gauges read it (``replica.py``'s ``Replica``)."""
+
+    @property
+    def state(self) -> State: ...
+
+
+class Pool(Protocol):
+    """The replicas of one service for one model (``pool.py``'s ``ReplicaPool``; grpc stays there)."""
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def route(self) -> str:
+        """The name@version served ("" for the cache, shared by every route)."""
+        ...
+
+    @property
+    def replicas(self) -> Iterable[Watched]: ...
+
+
 class ReplicaCollector(Collector):
     """The replicas of every route's versions (and the cache's), counted at scrape time: how
     many each pool knows and how many of them are SERVING now."""
 
-    def __init__(self, pools: Callable[[], Iterable[ReplicaPool[Any]]]) -> None:
+    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
         self._pools = pools
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
