@@ -6,7 +6,9 @@ context manager) that authenticates the caller, admits the request (requests per
 -> priority), reserves its maximum tokens and cost once the prompt is tokenized, and on the way
 out settles the reservation and writes exactly one ledger row, whatever the outcome: on a
 normal finish (``finish``) the row is committed before the caller sends the final message; on
-an error, a cancel or a deadline the row is written as the call unwinds. No grpc, no pb.
+an error, a cancel or a deadline the row is written as the call unwinds. As each row is built,
+its outcome (``CallOutcome``) is told to the gateway's metrics, so they count exactly what the
+ledger records. No grpc, no pb.
 """
 
 from __future__ import annotations
