@@ -9,6 +9,7 @@
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
     aiserve size NAME@VERSION --dtype bf16 --context 2048 --batch 64  # memory sizing
     aiserve alerts thresholds --bench FILE | --prometheus URL  # thresholds from history
+    aiserve autoscale simulate --trace FILE  # replay arrivals against the autoscaling policy
 
 Installed as the ``aiserve`` console script; ``python -m suite ...`` runs the same.
 """
@@ -29,6 +30,7 @@ from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from suite.admin import add_commands
 from suite.alerts import add_alerts_command
+from suite.autoscale_cli import add_autoscale_command
 from suite.config import REPLICAS_ENV
 from suite.retire_watch import watch_retired
 from suite.rollout import add_rollout_command
@@ -204,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_commands(sub)
     add_alerts_command(sub)
+    add_autoscale_command(sub)
     add_status_command(sub)
     add_rollout_command(sub)
     return parser

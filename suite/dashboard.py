@@ -3,7 +3,9 @@ deploy/grafana/aiserve.json (tests/unit/test_dashboard.py checks the file is wha
 that every metric a panel queries is one the services export, docs/metrics.md).
 
 Panels read a Prometheus data source chosen on import (the ``DS_PROMETHEUS`` input); the jobs are
-named aiserve-<service> as in deploy/prometheus/prometheus.yml."""
+named aiserve-<service> as in deploy/prometheus/prometheus.yml. A provisioned dashboard (the compose
+``monitoring`` profile) gets no import inputs, so ``DS_PROMETHEUS`` is also a data source variable,
+which resolves to the default Prometheus data source there."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from typing import Any
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "aiserve.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+# The data source variable that ${DS_PROMETHEUS} names when no import input replaced it.
+DATASOURCE_VARIABLE = {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+                       "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
+                       "regex": ""}
 GATEWAY_CALLS = 'aiserve_rpc_total{service="gateway"}'
 
 
@@ -97,7 +103,8 @@ def build() -> dict[str, Any]:
         "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
                       "pluginId": "prometheus", "pluginName": "Prometheus"}],
         "title": "aiserve", "uid": "aiserve", "tags": ["aiserve"], "timezone": "utc", "schemaVersion": 39,
-        "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+        "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [DATASOURCE_VARIABLE]}, "panels": panels,
     }
 
 

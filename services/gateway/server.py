@@ -38,7 +38,7 @@ from services.gateway.messages import (
 from services.gateway.metrics import GatewayMetrics, ReplicaCollector
 from services.gateway.pipeline import Pipeline
 from services.gateway.route_store import RouteStore
-from services.gateway.validation import refuse_unserved, usage_period
+from services.gateway.validation import usage_period
 
 log = get_logger("gateway")
 
@@ -90,7 +90,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Authenticate, validate, admit, generate; the Final comes after its row is committed."""
         account.authenticate(call.authorization)
         checked = request_from_pb(request, self.config, account.request_id)
-        refuse_unserved(checked.logprobs, checked.response_format)
         req = account.admit(replace(checked, session=call.session))
         async with aclosing(self.pipeline.generate(req, call.timeout_s, account.reserve)) as items:
             async for item in items:

@@ -8,6 +8,7 @@ from pathlib import Path
 from aiserve.model_facts import read_model_facts
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
+from services.inference.grammar import Grammars
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
 from services.inference.precision import Precision, choose_precision, read_cpu_flags
@@ -26,4 +27,6 @@ def build_engine(config: InferenceConfig, folder: Path, precision: Precision | N
     (torch_thread.py)."""
     precision = precision or machine_precision(config)
     model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul])
-    return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)
+    eos_ids = read_model_facts(folder).eos_token_ids
+    grammars = Grammars(folder / "tokenizer.json", model.config.vocab_size, eos_ids)
+    return BatchEngine(model, eos_ids, config.engine, grammars)
