@@ -60,6 +60,31 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
                        " / rate(aiserve_inference_draft_tokens_total[5m])")]),
     ("Resident memory by service", "bytes",
      [("{{job}} {{instance}}", 'process_resident_memory_bytes{job=~"aiserve-.*"}')]),
+    # Every gateway reports the same replicas: max, not sum, over the gateways.
+    ("Healthy replicas by model@version", "short",
+     [("SERVING {{service}} {{model}}", "max(aiserve_gateway_healthy_replicas) by (model, service)"),
+      ("known {{service}} {{model}}", "max(aiserve_gateway_replicas) by (model, service)")]),
+    ("Generations by status code and tier (gRPC and HTTP)", "reqps",
+     [("{{code}} {{tier}}", "sum(rate(aiserve_gateway_calls_total[5m])) by (code, tier)")]),
+    ("Failed generations by model@version", "reqps",
+     [("{{code}} {{model}}", 'sum(rate(aiserve_gateway_calls_total{code!~"OK|CANCELLED"}[5m])) by (model, code)')]),
+    ("Tokens billed by tier", "short",
+     [("{{kind}} {{tier}}", "sum(rate(aiserve_gateway_tokens_total[5m])) by (kind, tier)")]),
+    ("Feedback by kind (per hour)", "short",
+     [("{{kind}}", "sum(increase(aiserve_gateway_feedback_total[1h])) by (kind)")]),
+    ("Engine step time (p50/p95/p99)", "s",
+     _quantiles("aiserve_inference_step_seconds_bucket", 'job="aiserve-inference"')),
+    ("Tokens per engine step (mean)", "short",
+     [("{{model}}", "sum(rate(aiserve_inference_step_tokens_sum[5m])) by (model)"
+                    " / sum(rate(aiserve_inference_step_tokens_count[5m])) by (model)")]),
+    ("Inference health checks passing", "short",
+     [("{{model}}", "sum(aiserve_inference_health_check_passed) by (model)")]),
+    ("GPU memory (CUDA replicas)", "bytes",
+     [("allocated {{instance}}", "aiserve_inference_gpu_memory_allocated_bytes"),
+      ("reserved {{instance}}", "aiserve_inference_gpu_memory_reserved_bytes"),
+      ("total {{instance}}", "aiserve_inference_gpu_memory_total_bytes")]),
+    ("GPU utilisation (CUDA replicas)", "percentunit",
+     [("{{instance}}", "aiserve_inference_gpu_utilization_ratio")]),
 ]
 
 

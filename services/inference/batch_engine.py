@@ -28,7 +28,7 @@ from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger, log_startup
 from services.inference.draft_planning import max_logit_rows
 from services.inference.engine_config import EngineConfig
-from services.inference.engine_stats import EngineStats, engine_stats
+from services.inference.engine_stats import EngineStats, StepStats, engine_stats
 from services.inference.grammar import Grammars, RowGrammar
 from services.inference.health_probe import LoopWakers, ModelProbe, ProbeCall, ProbeCalls, settle_all
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
@@ -76,6 +76,7 @@ class BatchEngine:
         self._is_accepting, self._is_stopping = True, False
         self._thread: threading.Thread | None = None
         self._num_steps = self._num_generated = self._num_requests = self._num_step_errors = 0
+        self.steps = StepStats()  # each step's time and tokens (the metrics' histograms)
 
     def stats(self) -> EngineStats:
         """A snapshot of the batch, the queue, the KV cache and the totals (no torch work)."""
@@ -368,6 +369,7 @@ class BatchEngine:
         grown = self.scheduler.update(output, [p.token_ids for p in picked])
         logprobs = {c.seq: p.logprobs for c, p in zip((c for c in output.chunks if c.is_sampled), picked, strict=True)}
         self._num_steps += 1
+        self.steps.record(elapsed_s, output.num_tokens)
         self._num_generated += sum(count for _, count in grown)
         for chunk in output.chunks:
             if (record := self._records.get(chunk.seq)) is not None:
