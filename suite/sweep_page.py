@@ -90,6 +90,7 @@ def render_page(results: SweepResults) -> str:
     """The whole page for ``results``."""
     model = escape(results.model or "the default route")
     tables = "\n".join(_table(results, prompt) for prompt in results.prompts)
+    run = "; ".join(f"{escape(key)} {escape(value)}" for key, value in results.meta.items())
     return f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -102,7 +103,7 @@ def render_page(results: SweepResults) -> str:
 <p>Model: {model}. Grid: <code>{escape(results.grid)}</code>. Seed {results.seed},
 at most {results.max_new_tokens} new tokens per output, cache bypassed.
 distinct-n = distinct n-grams / n-grams of the output's tokens; rep-3 = share of its 3-grams
-that repeat an earlier one (shaded above {LOOP_REP_3}).</p>
+that repeat an earlier one (shaded above {LOOP_REP_3}).{f" Run: {run}." if run else ""}</p>
 <p>Mark the best output of each prompt, then <button id="export" type="button">download the marks</button>
 (<span id="marked"></span>).</p>
 <pre id="choices"></pre>

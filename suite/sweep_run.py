@@ -120,7 +120,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     seconds = (datetime.now(UTC) - started).total_seconds()
     results = SweepResults(seed=args.seed, max_new_tokens=args.max_new_tokens, grid=args.grid, prompts=prompts,
                            points=[p.label for p in points], cells=cells, model=args.model,
-                           meta={"started": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "seconds": f"{seconds:.0f}"})
+                           meta={"started": started.strftime("%Y-%m-%dT%H:%M:%SZ"), "seconds": f"{seconds:.0f}",
+                                 "concurrency": str(args.concurrency)})
     data, page = write_results(results, Path(args.out))
     failed = [c for c in cells if c.error]
     for cell in failed[:5]:
