@@ -64,7 +64,8 @@ def browser_dom(page: str, tmp_path: Path) -> _Dom:
     path = tmp_path / "sweep.html"
     path.write_text(page, encoding="utf-8")
     result = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", f"--user-data-dir={tmp_path / 'profile'}",
+        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+         f"--user-data-dir={tmp_path / 'profile'}",
          "--dump-dom", path.as_uri()],
         capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0 and "<html" in result.stdout, result.stderr[-2000:]
