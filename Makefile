@@ -47,7 +47,7 @@ curl:
 promtool:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
 
-# The sweep page's test renders it in a headless browser (tests/unit/suite/test_sweep_page.py).
+# The sweep page's tests render and click it in a headless browser (tests/browser.py).
 chromium:
 	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 

@@ -1,14 +1,13 @@
 """The sweep page (suite/sweep_page.py) rendered by a real headless browser: Debian's chromium
-loads the page, runs its script, and the DOM it dumps holds every output with its exact text.
-
-Two pages: the shipped sweep (docs/sweep/sweep.json, written by ``aiserve sweep`` against the
-real suite) and one made of hostile texts (markup, quotes, Chinese, line breaks), which must
-come through as text and never as markup."""
+loads the page, runs its script, and the DOM it dumps holds every output with its exact text
+(tests/browser.py). Two pages: the shipped sweep (docs/sweep/sweep.json, written by ``aiserve
+sweep`` against the real suite) and one made of hostile texts (markup, quotes, Chinese, line
+breaks), which must come through as text and never as markup. Then a judge's marks are clicked
+in the browser and the JSON the download button hands over is read back."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
+import json
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from suite.sweep import Cell, Prompt, SweepResults, parse_grid
 from suite.sweep_page import render_page
+from tests.browser import Browser, dump_dom
 
 ROOT = Path(__file__).resolve().parents[3]
 SHIPPED = ROOT / "docs" / "sweep" / "sweep.json"
@@ -59,18 +59,10 @@ class _Dom(HTMLParser):
 
 def browser_dom(page: str, tmp_path: Path) -> _Dom:
     """The DOM chromium builds from ``page`` after its scripts ran, parsed."""
-    exe = shutil.which("chromium")
-    assert exe, "chromium is missing: `make test` installs Debian's chromium package"
     path = tmp_path / "sweep.html"
     path.write_text(page, encoding="utf-8")
-    result = subprocess.run(
-        [exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-         f"--user-data-dir={tmp_path / 'profile'}",
-         "--dump-dom", path.as_uri()],
-        capture_output=True, text=True, timeout=120, check=False)
-    assert result.returncode == 0 and "<html" in result.stdout, result.stderr[-2000:]
     dom = _Dom()
-    dom.feed(result.stdout)
+    dom.feed(dump_dom(path, tmp_path / "profile"))
     return dom
 
 
@@ -114,3 +106,39 @@ def test_a_failed_call_shows_its_error_in_its_cell(tmp_path: Path) -> None:
                            cells=[Cell("p", "temperature=0", "", 0, 0, 0, 0, "", error="DEADLINE_EXCEEDED: <late>")])
     dom = browser_dom(render_page(results), tmp_path)
     assert dom.cells[("p", "temperature=0")] == "error: DEADLINE_EXCEEDED: <late>"
+
+
+# Click radio buttons as a judge would, then the download button; what the download holds.
+_MARK_AND_EXPORT = """(async () => {
+  let blob = null;
+  const create = URL.createObjectURL;
+  URL.createObjectURL = b => { blob = b; return create(b); };
+  const [first, second] = document.querySelectorAll('table.prompt');
+  const firstRadios = first.querySelectorAll('input.best');
+  firstRadios[2].click();
+  second.querySelectorAll('input.best')[0].click();
+  firstRadios[1].click();  // the judge changes their mind: the prompt keeps one mark
+  document.getElementById('export').click();
+  return {file: blob && await blob.text(), marked: document.getElementById('marked').textContent,
+          shown: document.getElementById('choices').textContent};
+})()"""
+
+
+def test_the_judges_marks_are_downloaded_as_json(tmp_path: Path) -> None:
+    prompts = [Prompt('say "hi"', "factual", "a"), Prompt("长城", "chinese", "b"), Prompt("c", "", "c")]
+    points = parse_grid("temperature=0,0.7,1.0")
+    results = SweepResults(seed=5, max_new_tokens=4, grid="temperature=0,0.7,1.0", prompts=prompts,
+                           points=[g.label for g in points],
+                           cells=[Cell.of(p.id, g, "x", [1], "stop") for p in prompts for g in points])
+    page = tmp_path / "sweep.html"
+    page.write_text(render_page(results), encoding="utf-8")
+    browser = Browser(tmp_path / "profile")
+    try:
+        browser.open(page)
+        got = browser.evaluate(_MARK_AND_EXPORT)
+    finally:
+        browser.close()
+    best = {'say "hi"': "temperature=0.7", "长城": "temperature=0"}
+    assert json.loads(got["file"]) == {"grid": "temperature=0,0.7,1.0", "seed": 5, "best": best}
+    assert json.loads(got["shown"]) == best
+    assert got["marked"] == "2 of 3 prompts marked"
