@@ -10,6 +10,7 @@
     aiserve size NAME@VERSION --dtype bf16 --context 2048 --batch 64  # memory sizing
     aiserve alerts thresholds --bench FILE | --prometheus URL  # thresholds from history
     aiserve autoscale simulate --trace FILE  # replay arrivals against the autoscaling policy
+    aiserve sweep [--prompts F] [--grid "temperature=0,0.7 top_p=0.9,1.0"]  # sampling grid, HTML to judge
 
 Installed as the ``aiserve`` console script; ``python -m suite ...`` runs the same.
 """
@@ -37,6 +38,7 @@ from suite.rollout import add_rollout_command
 from suite.runner import Suite, SuiteConfig
 from suite.status import add_status_command
 from suite.supervisor import GaveUp
+from suite.sweep_run import add_sweep_command
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_autoscale_command(sub)
     add_status_command(sub)
     add_rollout_command(sub)
+    add_sweep_command(sub)
     return parser
 
 
