@@ -87,6 +87,8 @@ class Result:
     unfinished: int
     finished_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
     """When each completed request finished, in order."""
+    overall_p99_s: float = 0.0
+    """The P99 of every request of the trace (a refused one counts as infinitely late)."""
 
 
 class Simulation:
@@ -246,7 +248,15 @@ class Simulation:
         return Result(arrivals=self.trace.copy(), replicas=series[0].astype(int), serving=series[1].astype(int),
                       metric=series[2], token_rate=series[3], p99_s=p99, scale_events=tuple(self.scale_events),
                       replica_seconds=self.replica_seconds, completed=done.shape[1], rejected=len(refused),
-                      unfinished=dispatched - done.shape[1] - len(refused), finished_s=np.sort(done[0]))
+                      unfinished=dispatched - done.shape[1] - len(refused), finished_s=np.sort(done[0]),
+                      overall_p99_s=_nearest_rank_p99(latencies))
+
+
+def _nearest_rank_p99(latencies: np.ndarray) -> float:
+    if not len(latencies):
+        return 0.0
+    ordered = np.sort(latencies)
+    return float(ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)])
 
 
 def simulate(policy: Policy, figures: Figures, trace: np.ndarray, step_s: float = 0.1,
