@@ -10,7 +10,7 @@ equals quantizing each part. The kernels are torchao's: ``F.linear`` on its tens
 Schemes on torch 2.13 / torchao 0.18 on CPU (docs/quantization.md):
 
 - ``int8``: ``Int8WeightOnlyConfig`` (per-row int8, 1 byte per weight);
-- ``int4``: ``IntxWeightOnlyConfig(int4, groups of 32)`` in its only CPU layout,
+- ``int4``: ``IntxWeightOnlyConfig(int4, groups of 32, asymmetric)`` in its only CPU layout,
   ``unpacked_to_int8`` (int4 values held one per byte: int4's accuracy without its memory
   saving). ``Int4WeightOnlyConfig`` does not run on this CPU in any layout.
 """
@@ -43,17 +43,19 @@ def _int8_config() -> Any:
 
 
 def _int4_config() -> Any:
-    from torchao.quantization import IntxWeightOnlyConfig, PerGroup
+    from torchao.quantization import IntxWeightOnlyConfig, MappingType, PerGroup
 
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP))  # type: ignore[attr-defined]
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(INT4_GROUP),  # type: ignore[attr-defined]
+                                mapping_type=MappingType.ASYMMETRIC)
 
 
 INT4_GROUP = 32
 """Weights per int4 scale: divides SmolLM2's hidden size (576), which 128 does not."""
 SCHEMES = {
     "int8": Scheme("int8", "Int8WeightOnlyConfig()", _int8_config, "per-row int8 weights, bf16 activations"),
-    "int4": Scheme("int4", f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({INT4_GROUP}))",
-                   _int4_config, "int4 values in groups of 32, held one per byte (unpacked_to_int8)"),
+    "int4": Scheme("int4", f"IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup({INT4_GROUP}), "
+                   "mapping_type=MappingType.ASYMMETRIC)", _int4_config,
+                   "asymmetric int4 in groups of 32 along the input, held one value per byte (unpacked_to_int8)"),
 }
 
 
