@@ -73,7 +73,8 @@ def cmd_models(args: argparse.Namespace) -> int:
             return 2
         from suite.quantize import run_quantize
 
-        run_quantize(store, ModelRef.parse(args.target), args.scheme, args.force, sys.stdout, not args.no_speed)
+        run_quantize(store, ModelRef.parse(args.target), args.scheme, args.force, sys.stdout, not args.no_speed,
+                     args.threads)
     return 0
 
 
@@ -181,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("target", nargs="?", help="NAME@VERSION (verify, quantize) or PATH (import)")
     models.add_argument("--scheme", choices=["int8", "int4"], help="quantize: torchao scheme (docs/quantization.md)")
     models.add_argument("--no-speed", action="store_true", help="quantize: skip the decode speed comparison")
+    models.add_argument("--threads", type=_positive_int, default=1, help="quantize: torch threads of the speed check")
     models.add_argument("--name")
     models.add_argument("--version")
     models.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")

@@ -85,9 +85,18 @@ def reference_of(candidate: Manifest, against: str | None) -> ModelRef:
 
 
 def evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
-             max_text_tokens: int = MAX_TEXT_TOKENS, max_new_tokens: int = MAX_NEW_TOKENS) -> dict[str, Any]:
+             max_text_tokens: int = MAX_TEXT_TOKENS, max_new_tokens: int = MAX_NEW_TOKENS,
+             threads: int = 1) -> dict[str, Any]:
     """The report of ``candidate_ref`` against its reference (both verified first), verdict
-    included; ``bounds`` None = the defaults of the candidate's scheme."""
+    included; ``bounds`` None = the defaults of the candidate's scheme; torch on ``threads``."""
+    from services.inference.offline import torch_threads
+
+    with torch_threads(threads):
+        return _evaluate(store, candidate_ref, against, bounds, max_text_tokens, max_new_tokens)
+
+
+def _evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
+              max_text_tokens: int, max_new_tokens: int) -> dict[str, Any]:
     from services.inference.evaluation import compare_text, run_version
 
     started = time.perf_counter()
@@ -188,7 +197,7 @@ def cmd_eval(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     scheme = manifest.quantization.get("scheme") if manifest.quantization else None
     bounds = default_bounds(scheme, args.max_ppl_increase, args.max_kl, args.min_top1_agreement,
                             args.max_accuracy_drop)
-    report = evaluate(store, candidate, args.against, bounds, args.max_text_tokens, args.max_new_tokens)
+    report = evaluate(store, candidate, args.against, bounds, args.max_text_tokens, args.max_new_tokens, args.threads)
     json_path, png_path = write_report(report, Path(args.out) if args.out else aiserve_home() / "eval")
     print(summary(report), file=out)
     print(f"  wrote {json_path} and {png_path}", file=out)
@@ -211,6 +220,7 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     ev.add_argument("--max-accuracy-drop", type=float, default=None, help="allowed task accuracy drop, 0..1")
     ev.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="tokens of the text read (1024)")
     ev.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy tokens per task (24)")
+    ev.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
     ev.add_argument("--out", help="folder for the JSON and PNG (default $AISERVE_HOME/eval)")
     ev.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")
     ev.set_defaults(func=cmd_eval)

@@ -25,7 +25,7 @@ from aiserve.store import WEIGHT_SUFFIXES, Manifest, ModelRef, ModelStore, Model
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import QUANTIZED_FILE, read_tensors
 from services.inference.model import TORCH_DTYPES
-from services.inference.offline import DecodeSpeed, OfflineModel
+from services.inference.offline import DecodeSpeed, OfflineModel, torch_threads
 from services.inference.precision import AUTO, choose_precision, read_cpu_flags
 from services.inference.quantize import SCHEMES, quantize_tensors, torchao_version
 
@@ -68,11 +68,17 @@ def quantize_version(store: ModelStore, ref: ModelRef, scheme_name: str, force: 
         return store.install(target, out, {"quantized_from": str(ref)}, quantization)
 
 
-def decode_speeds(folders: Sequence[Path], tokens: int = SPEED_TOKENS, rounds: int = SPEED_ROUNDS) -> list[DecodeSpeed]:
-    """Greedy decode speed of each version in ``folders`` at batch 1, in the precision the
-    service would choose here: all loaded, then timed in turn for ``rounds`` rounds (after an
-    untimed warm-up), keeping each one's fastest, so a burst of load on a shared machine hits
-    both alike rather than one of them."""
+def decode_speeds(folders: Sequence[Path], tokens: int = SPEED_TOKENS, rounds: int = SPEED_ROUNDS,
+                  threads: int = 1) -> list[DecodeSpeed]:
+    """Greedy decode speed of each version in ``folders`` at batch 1 on ``threads`` torch
+    threads, in the precision the service would choose here: all loaded, then timed in turn for
+    ``rounds`` rounds (after an untimed warm-up), keeping each one's fastest, so a burst of load
+    on a shared machine hits both alike rather than one of them."""
+    with torch_threads(threads):
+        return _decode_speeds(folders, tokens, rounds)
+
+
+def _decode_speeds(folders: Sequence[Path], tokens: int, rounds: int) -> list[DecodeSpeed]:
     from tokenizers import Tokenizer
 
     precision = choose_precision("cpu", read_cpu_flags(), AUTO, AUTO)
@@ -85,19 +91,19 @@ def decode_speeds(folders: Sequence[Path], tokens: int = SPEED_TOKENS, rounds: i
     return [min((row[i] for row in timed), key=lambda s: s.seconds) for i in range(len(runners))]
 
 
-def speed_verdict(scheme: str, quantized: DecodeSpeed, base: DecodeSpeed) -> str:
+def speed_verdict(scheme: str, quantized: DecodeSpeed, base: DecodeSpeed, threads: int = 1) -> str:
     """One line comparing the two measured speeds, saying plainly when the scheme is slower."""
     ratio = quantized.tokens_per_s / base.tokens_per_s
     figures = (f"{scheme}: {quantized.tokens_per_s:.1f} tok/s, base: {base.tokens_per_s:.1f} tok/s "
-               f"({ratio:.2f}x; greedy decode of {quantized.tokens} tokens, batch 1, torch threads "
-               f"{torch.get_num_threads()})")
+               f"({ratio:.2f}x; greedy decode of {quantized.tokens} tokens, batch 1, {threads} torch thread"
+               f"{'s' if threads > 1 else ''})")
     if ratio < 1.0:
         return f"{scheme} is SLOWER than the base on this CPU: {figures}; it saves memory, not time"
     return f"{scheme} is not slower than the base on this CPU: {figures}"
 
 
 def run_quantize(store: ModelStore, ref: ModelRef, scheme: str, force: bool, out: TextIO,
-                 measure: bool = True) -> Manifest:
+                 measure: bool = True, threads: int = 1) -> Manifest:
     """The command: quantize, report the files, and (``measure``) compare decode speeds."""
     manifest = quantize_version(store, ref, scheme, force)
     folder = store.path(manifest.ref)
@@ -108,6 +114,6 @@ def run_quantize(store: ModelStore, ref: ModelRef, scheme: str, force: bool, out
           f"(base {base_size / 2**20:.1f} MiB), {len(manifest.files)} files hashed", file=out, flush=True)
     if measure:
         print("measuring decode speed of both versions ...", file=out, flush=True)
-        quantized, base = decode_speeds([folder, store.path(ref)])
-        print(speed_verdict(scheme, quantized, base), file=out, flush=True)
+        quantized, base = decode_speeds([folder, store.path(ref)], threads=threads)
+        print(speed_verdict(scheme, quantized, base, threads), file=out, flush=True)
     return manifest

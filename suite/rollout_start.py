@@ -124,7 +124,7 @@ def run_eval_gate(request: StartRequest, store: ModelStore, stable: str, out: Te
     ref = ModelRef.parse(request.model)
     scheme = (store.manifest(ref).quantization or {}).get("scheme")
     bounds: Bounds = default_bounds(scheme, request.eval_max_ppl_increase)
-    report = evaluate(store, ref, stable, bounds)
+    report = evaluate(store, ref, stable, bounds, threads=request.torch_threads)
     json_path, _ = write_report(report, request.home / "eval")
     print(summary(report) + f"\n  report: {json_path}", file=out, flush=True)
     eval_verdict(report)

@@ -11,13 +11,28 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from services.inference.llama import LlamaModel
 from services.inference.runner import BatchRow, build_batch
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch on ``n`` intra-op threads inside the block, the previous count restored after.
+
+    The measurements default to one: on the shared 2-core VM, two OpenMP threads competing with
+    other work made a 10 s evaluation take 120 s (each step waits for its slower thread)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 @dataclass(frozen=True, slots=True)

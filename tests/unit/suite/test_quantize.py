@@ -74,5 +74,5 @@ def test_a_tampered_quantized_file_is_refused(tmp_path: Path, model_dir: Path) -
 def test_the_speed_verdict_says_when_the_scheme_is_slower() -> None:
     slow = speed_verdict("int8", DecodeSpeed(16, 2.0), DecodeSpeed(16, 0.5))
     assert slow.startswith("int8 is SLOWER than the base") and "8.0 tok/s" in slow and "32.0 tok/s" in slow
-    assert "0.25x" in slow
+    assert "0.25x" in slow and "1 torch thread)" in slow
     assert "not slower" in speed_verdict("int8", DecodeSpeed(16, 0.5), DecodeSpeed(16, 0.5))
