@@ -62,3 +62,10 @@ def test_size_command_prints_the_estimate(tmp_path: Path, capsys: pytest.Capture
     out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
     assert out["kv_per_token"] == str(2 * 3 * 2 * 8)
     assert int(out["max_batch"]) >= 1
+
+
+def test_a_folder_without_safetensors_is_refused_not_sized_as_zero(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 32}))
+    (tmp_path / "model.quantized.pt").write_bytes(b"")  # a quantized version holds only this
+    with pytest.raises(ValueError, match="no safetensors weights \\(a quantized version\\?\\)"):
+        shape_of(tmp_path)
