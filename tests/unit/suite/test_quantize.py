@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from aiserve.store import MANIFEST, ModelStore, ModelStoreError, sha256_file
+from aiserve.store import MANIFEST, ModelRef, ModelStore, ModelStoreError, sha256_file
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import QUANTIZED_FILE, is_quantized
 from services.inference.offline import DecodeSpeed, OfflineModel
+from suite.cli import build_parser
 from suite.quantize import quantize_version, quantized_ref, speed_verdict
 from tests.unit.suite.tiny_versions import tiny_version
 
@@ -76,3 +78,18 @@ def test_the_speed_verdict_says_when_the_scheme_is_slower() -> None:
     assert slow.startswith("int8 is SLOWER than the base") and "8.0 tok/s" in slow and "32.0 tok/s" in slow
     assert "0.25x" in slow and "1 torch thread)" in slow
     assert "not slower" in speed_verdict("int8", DecodeSpeed(16, 0.5), DecodeSpeed(16, 0.5))
+
+
+def test_the_command_quantizes_and_reports_both_speeds(tmp_path: Path, model_dir: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    store = ModelStore(tmp_path / "store")
+    tiny_version(store, model_dir, tmp_path)
+    args = build_parser().parse_args(["models", "quantize", "tiny@1", "--scheme", "int8", "--store", str(store.root)])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "wrote tiny@1-int8" in out and "files hashed" in out
+    assert re.search(r"int8: [\d.]+ tok/s, base: [\d.]+ tok/s \([\d.]+x; greedy decode of 16 tokens, batch 1, "
+                     r"1 torch thread\)", out), out
+    assert store.verify(quantized_ref(ModelRef("tiny", "1"), "int8")).quantization is not None
+    usage = build_parser().parse_args(["models", "quantize", "tiny@1", "--store", str(store.root)])
+    assert usage.func(usage) == 2  # no --scheme
