@@ -57,7 +57,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"installed {manifest.ref} into {store.path(manifest.ref)} ({len(manifest.files)} files)")
     elif args.action == "list":
         for manifest in store.list():
-            print(f"{manifest.ref}\ttokenizer {manifest.tokenizer_sha256[:12]}\t{manifest.created_at}")
+            scheme = f"\t{manifest.quantization.get('scheme')} of {manifest.quantization.get('base')}" \
+                if manifest.quantization else ""
+            print(f"{manifest.ref}\ttokenizer {manifest.tokenizer_sha256[:12]}\t{manifest.created_at}{scheme}")
     elif args.action == "verify":
         manifest = store.verify(ModelRef.parse(args.target))
         print(f"{manifest.ref}: {len(manifest.files)} files match the manifest")

@@ -93,3 +93,6 @@ def test_the_command_quantizes_and_reports_both_speeds(tmp_path: Path, model_dir
     assert store.verify(quantized_ref(ModelRef("tiny", "1"), "int8")).quantization is not None
     usage = build_parser().parse_args(["models", "quantize", "tiny@1", "--store", str(store.root)])
     assert usage.func(usage) == 2  # no --scheme
+    listing = build_parser().parse_args(["models", "list", "--store", str(store.root)])
+    assert listing.func(listing) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("\tint8 of tiny@1")
