@@ -8,7 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from aiserve.common.config import config_with
 from aiserve.store import MANIFEST, ModelRef, ModelStore, ModelStoreError, sha256_file
+from services.inference.config import InferenceConfig
+from services.inference.cpu_kernels import kernel_buckets
+from services.inference.engine_build import build_engine
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import QUANTIZED_FILE, is_quantized
 from services.inference.offline import DecodeSpeed, OfflineModel
@@ -96,3 +100,15 @@ def test_the_command_quantizes_and_reports_both_speeds(tmp_path: Path, model_dir
     listing = build_parser().parse_args(["models", "list", "--store", str(store.root)])
     assert listing.func(listing) == 0
     assert capsys.readouterr().out.splitlines()[1].endswith("\tint8 of tiny@1")
+
+
+def test_the_service_builds_its_engine_on_a_quantized_version(tmp_path: Path, model_dir: Path) -> None:
+    """What ``AISERVE_INFERENCE_MODEL=...-int8`` loads: the service's own build path, float32
+    asked for and bfloat16 run (the dtype it was quantized in), no packing of the products."""
+    store = ModelStore(tmp_path / "store")
+    manifest = quantize_version(store, tiny_version(store, model_dir, tmp_path), "int8")
+    config = config_with(InferenceConfig, dtype="float32", max_num_seqs=1, max_seq_len=64)
+    engine = build_engine(config, store.path(manifest.ref))
+    assert engine.model.dtype == engine.model.matmul_dtype == torch.bfloat16
+    assert is_quantized(engine.model.layers[0].gate_up.w) and engine.model.layers[0].gate_up.packed is None
+    assert engine.model.prepare_kernels(64) in (0, len(kernel_buckets(64)))  # the bf16 lm_head's, if packed
