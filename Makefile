@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export AISERVE_HOME ?= $(CURDIR)/var
 
-.PHONY: run test lint curl promtool protos model venv bench bench-peers lock clean
+.PHONY: run test lint curl promtool chromium protos model venv bench bench-peers lock clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,7 @@ lint: protos
 	$(VENV)/bin/mypy aiserve services suite
 	$(VENV)/bin/vulture
 
-test: model lint curl promtool
+test: model lint curl promtool chromium
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # The HTTP door's SSE test runs curl (tests/integration/test_openai_http.py).
@@ -46,6 +46,10 @@ curl:
 # prometheus package provides it.
 promtool:
 	@command -v promtool >/dev/null || (apt-get update -qq && apt-get install -y -qq prometheus)
+
+# The sweep page's tests render and click it in a headless browser (tests/browser.py).
+chromium:
+	@command -v chromium >/dev/null || (apt-get update -qq && apt-get install -y -qq chromium)
 
 bench: model
 	$(PY) -m bench.run

@@ -10,7 +10,12 @@ count is read, not guessed). Figures are bytes.
 - activations of one decode step = batch x (f32 logits over the vocabulary + the hidden,
   attention and MLP buffers of one layer in the compute dtype);
 - recommended RAM = twice the weights (loading holds a second copy while converting);
-- largest batch: the batch whose KV and activations fit in ``memory`` after the weights.
+- largest batch: the batch whose KV and activations fit in ``memory`` after the weights;
+- resident = what a serving inference process holds (its RSS): the runtime (``RUNTIME_BYTES``)
+  + the weights + what loading leaves behind (``LOAD_OVERHEAD`` x the weights) + the KV cache
+  with its prefix store (``prefix_fraction`` of the whole, as the service sizes it) + the
+  activations. Checked against the running service's RSS by
+  tests/integration/test_sizing_rss.py (within 15%; docs/quantization.md has the figures).
 """
 
 from __future__ import annotations
@@ -20,6 +25,25 @@ import struct
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
+
+RUNTIME_BYTES = 240 * 2**20
+"""Resident memory of the inference process before it loads a model: Python, torch (218 MiB
+for ``import torch`` alone, CPU build), grpc, prometheus_client and the service's own modules
+(238 MiB measured for ``import services.inference.server``). tests/integration/test_sizing_rss.py
+measures it again on the machine it runs on."""
+
+LOAD_OVERHEAD = 0.2
+"""Share of the weights' bytes that stays resident after loading: the loader fuses q/k/v and
+gate/up into new tensors and frees the originals, and the C allocator keeps part of the freed
+heap (float32 SmolLM2-135M: 616 MiB above the runtime after loading for 513 MiB of weights,
+525 MiB after ``malloc_trim``)."""
+
+PREFIX_CACHE_FRACTION = 0.05
+"""The inference service's default share of the KV cache kept for prompt prefixes
+(``prefix_cache_fraction``): its slots are the other 95%."""
+
+PREFIX_BLOCK_TOKENS = 16
+"""Tokens per prefix block (the service's ``prefix_block_size``): the prefix store is whole blocks."""
 
 DTYPE_BYTES = {"f32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "f16": 2.0,
                "float16": 2.0, "int8": 1.0, "int4": 0.5}
@@ -48,6 +72,10 @@ class Estimate:
     activations: int
     recommended_ram: int
     max_batch: int | None
+    kv_cache: int
+    """The KV cache as the inference service allocates it: the slots (kv_total) + the prefix store."""
+    runtime: int
+    resident: int
 
     def as_dict(self) -> dict[str, int | None]:
         return dict(self.__dict__)
@@ -89,8 +117,11 @@ def shape_of(folder: Path) -> Shape:
 
 
 def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str | None = None,
-             memory: int | None = None) -> Estimate:
-    """Size ``shape`` served in ``dtype`` at ``batch`` sequences of ``context`` tokens."""
+             memory: int | None = None, prefix_fraction: float = PREFIX_CACHE_FRACTION) -> Estimate:
+    """Size ``shape`` served in ``dtype`` at ``batch`` sequences of ``context`` tokens (one KV
+    slot each, plus a prefix store of ``prefix_fraction`` of the whole KV cache)."""
+    if not 0.0 <= prefix_fraction < 1.0:
+        raise ValueError(f"prefix_fraction must be in [0, 1), got {prefix_fraction}")
     if context < 1 or batch < 1:
         raise ValueError(f"context and batch must be at least 1, got context={context} batch={batch}")
     weight_bytes = dtype_bytes(dtype)
@@ -103,5 +134,11 @@ def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str |
         free = memory - weights
         per_sequence = kv_per_token * context + per_sequence_act
         max_batch = max(0, free // per_sequence)
-    return Estimate(weights=weights, kv_per_token=kv_per_token, kv_total=kv_per_token * context * batch,
-                    activations=per_sequence_act * batch, recommended_ram=2 * weights, max_batch=max_batch)
+    kv_total = kv_per_token * context * batch
+    prefix_share = int(kv_total * prefix_fraction / (1 - prefix_fraction))
+    prefix_store = prefix_share // (PREFIX_BLOCK_TOKENS * kv_per_token) * PREFIX_BLOCK_TOKENS * kv_per_token
+    kv_cache = kv_total + prefix_store
+    resident = RUNTIME_BYTES + int(weights * (1 + LOAD_OVERHEAD)) + kv_cache + per_sequence_act * batch
+    return Estimate(weights=weights, kv_per_token=kv_per_token, kv_total=kv_total,
+                    activations=per_sequence_act * batch, recommended_ram=2 * weights, max_batch=max_batch,
+                    kv_cache=kv_cache, runtime=RUNTIME_BYTES, resident=resident)

@@ -25,6 +25,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("Replicas (fleet)", "fleet.json", "fleet.png"),
     ("Cold start", "cold_start.json", "cold_start.png"),
     ("HTTP", "http.json", "http.png"),
+    ("Structured output and log-probabilities", "constrained.json", "constrained.png"),
 )
 
 NOT_MEASURED = "not measured in this run"

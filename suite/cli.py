@@ -11,6 +11,8 @@
     aiserve usage [--csv FILE]       # usage and cost report from the ledger
     aiserve size NAME@VERSION --dtype bf16 --context 2048 --batch 64  # memory sizing
     aiserve alerts thresholds --bench FILE | --prometheus URL  # thresholds from history
+    aiserve autoscale simulate --trace FILE  # replay arrivals against the autoscaling policy
+    aiserve sweep [--prompts F] [--grid "temperature=0,0.7 top_p=0.9,1.0"]  # sampling grid, HTML to judge
 
 Installed as the ``aiserve`` console script; ``python -m suite ...`` runs the same.
 """
@@ -31,6 +33,7 @@ from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
 from suite.admin import add_commands
 from suite.alerts import add_alerts_command
+from suite.autoscale_cli import add_autoscale_command
 from suite.config import REPLICAS_ENV
 from suite.evaluate import add_eval_command
 from suite.retire_watch import watch_retired
@@ -38,6 +41,7 @@ from suite.rollout import add_rollout_command
 from suite.runner import Suite, SuiteConfig
 from suite.status import add_status_command
 from suite.supervisor import GaveUp
+from suite.sweep_run import add_sweep_command
 
 
 def _store(args: argparse.Namespace) -> ModelStore:
@@ -221,8 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_eval_command(sub)
     add_commands(sub)
     add_alerts_command(sub)
+    add_autoscale_command(sub)
     add_status_command(sub)
     add_rollout_command(sub)
+    add_sweep_command(sub)
     return parser
 
 

@@ -3,7 +3,9 @@ deploy/grafana/aiserve.json (tests/unit/test_dashboard.py checks the file is wha
 that every metric a panel queries is one the services export, docs/metrics.md).
 
 Panels read a Prometheus data source chosen on import (the ``DS_PROMETHEUS`` input); the jobs are
-named aiserve-<service> as in deploy/prometheus/prometheus.yml."""
+named aiserve-<service> as in deploy/prometheus/prometheus.yml. A provisioned dashboard (the compose
+``monitoring`` profile) gets no import inputs, so ``DS_PROMETHEUS`` is also a data source variable,
+which resolves to the default Prometheus data source there."""
 
 from __future__ import annotations
 
@@ -13,6 +15,10 @@ from typing import Any
 
 OUT = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "aiserve.json"
 DATASOURCE = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
+# The data source variable that ${DS_PROMETHEUS} names when no import input replaced it.
+DATASOURCE_VARIABLE = {"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource", "query": "prometheus",
+                       "current": {}, "hide": 0, "includeAll": False, "multi": False, "options": [], "refresh": 1,
+                       "regex": ""}
 GATEWAY_CALLS = 'aiserve_rpc_total{service="gateway"}'
 
 
@@ -54,6 +60,31 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
                        " / rate(aiserve_inference_draft_tokens_total[5m])")]),
     ("Resident memory by service", "bytes",
      [("{{job}} {{instance}}", 'process_resident_memory_bytes{job=~"aiserve-.*"}')]),
+    # Every gateway reports the same replicas: max, not sum, over the gateways.
+    ("Healthy replicas by model@version", "short",
+     [("SERVING {{service}} {{model}}", "max(aiserve_gateway_healthy_replicas) by (model, service)"),
+      ("known {{service}} {{model}}", "max(aiserve_gateway_replicas) by (model, service)")]),
+    ("Generations by status code and tier (gRPC and HTTP)", "reqps",
+     [("{{code}} {{tier}}", "sum(rate(aiserve_gateway_calls_total[5m])) by (code, tier)")]),
+    ("Failed generations by model@version", "reqps",
+     [("{{code}} {{model}}", 'sum(rate(aiserve_gateway_calls_total{code!~"OK|CANCELLED"}[5m])) by (model, code)')]),
+    ("Tokens billed by tier", "short",
+     [("{{kind}} {{tier}}", "sum(rate(aiserve_gateway_tokens_total[5m])) by (kind, tier)")]),
+    ("Feedback by kind (per hour)", "short",
+     [("{{kind}}", "sum(increase(aiserve_gateway_feedback_total[1h])) by (kind)")]),
+    ("Engine step time (p50/p95/p99)", "s",
+     _quantiles("aiserve_inference_step_seconds_bucket", 'job="aiserve-inference"')),
+    ("Tokens per engine step (mean)", "short",
+     [("{{model}}", "sum(rate(aiserve_inference_step_tokens_sum[5m])) by (model)"
+                    " / sum(rate(aiserve_inference_step_tokens_count[5m])) by (model)")]),
+    ("Inference health checks passing", "short",
+     [("{{model}}", "sum(aiserve_inference_health_check_passed) by (model)")]),
+    ("GPU memory (CUDA replicas)", "bytes",
+     [("allocated {{instance}}", "aiserve_inference_gpu_memory_allocated_bytes"),
+      ("reserved {{instance}}", "aiserve_inference_gpu_memory_reserved_bytes"),
+      ("total {{instance}}", "aiserve_inference_gpu_memory_total_bytes")]),
+    ("GPU utilisation (CUDA replicas)", "percentunit",
+     [("{{instance}}", "aiserve_inference_gpu_utilization_ratio")]),
 ]
 
 
@@ -72,7 +103,8 @@ def build() -> dict[str, Any]:
         "__inputs": [{"name": "DS_PROMETHEUS", "label": "Prometheus", "type": "datasource",
                       "pluginId": "prometheus", "pluginName": "Prometheus"}],
         "title": "aiserve", "uid": "aiserve", "tags": ["aiserve"], "timezone": "utc", "schemaVersion": 39,
-        "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"}, "panels": panels,
+        "version": 1, "refresh": "30s", "time": {"from": "now-1h", "to": "now"},
+        "templating": {"list": [DATASOURCE_VARIABLE]}, "panels": panels,
     }
 
 

@@ -6,13 +6,16 @@ context manager) that authenticates the caller, admits the request (requests per
 -> priority), reserves its maximum tokens and cost once the prompt is tokenized, and on the way
 out settles the reservation and writes exactly one ledger row, whatever the outcome: on a
 normal finish (``finish``) the row is committed before the caller sends the final message; on
-an error, a cancel or a deadline the row is written as the call unwinds. No grpc, no pb.
+an error, a cancel or a deadline the row is written as the call unwinds. As each row is built,
+its outcome (``CallOutcome``) is told to the gateway's metrics, so they count exactly what the
+ledger records. No grpc, no pb.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from types import TracebackType
 
@@ -20,7 +23,7 @@ from aiserve.common.errors import ApiError, Unauthenticated
 from aiserve.common.logging import get_logger
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final, GatewayRequest
-from services.gateway.feedback import Feedback, RepeatDetector
+from services.gateway.feedback import CountFeedback, Feedback, RepeatDetector
 from services.gateway.ledger import Bucket, Ledger, Totals, UsageRow
 from services.gateway.limits import Limits, Reservation
 from services.gateway.pricing import PriceTable
@@ -34,6 +37,28 @@ log = get_logger("accounting")
 DEADLINE_SLACK_S = 0.05
 
 _BEARER = "bearer "
+UNKNOWN_LABEL = "none"
+"""The model of a call that ended before it was routed, the tier of one before its key was checked."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallOutcome:
+    """How one Generate/Complete call ended, as the metrics count it (one per ledger row).
+
+    ``model`` is the name@version the call was routed to and ``tier`` its tenant's tier (both
+    UNKNOWN_LABEL when it ended before that was known: never the client's own text, so a metric
+    label cannot take arbitrarily many values). The tokens and cost are those billed: 0 for a
+    call that was refused or failed."""
+
+    model: str
+    tier: str
+    code: str
+    prompt_tokens: int
+    completion_tokens: int
+    cost_micros: int
+
+
+CountCall = Callable[[CallOutcome], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,18 +72,23 @@ class Caller:
 class Accounting:
     """Tenants, limits, prices, the ledger and feedback, shared by all requests."""
 
-    def __init__(self, config: GatewayConfig, keys: KeyStore, ledger: Ledger) -> None:
+    def __init__(self, config: GatewayConfig, keys: KeyStore, ledger: Ledger,
+                 count_call: CountCall = lambda _: None, count_feedback: CountFeedback = lambda _: None) -> None:
+        """``count_call`` sees every call's outcome as its row is written, ``count_feedback``
+        every feedback row's kind (the gateway's metrics)."""
         self.config, self.keys, self.ledger = config, keys, ledger
         self.tiers = tiers_from(config)
         self.prices: PriceTable = config.price_table()
         self.limits = Limits(config.budget_period, ledger.spent)
-        self.feedback = Feedback(ledger, config.max_feedback_comment_chars)
+        self.feedback = Feedback(ledger, config.max_feedback_comment_chars, count_feedback)
         self.repeats = RepeatDetector(config.repeat_window_s, config.repeat_similarity)
+        self.count_call = count_call
 
     @classmethod
-    def open(cls, config: GatewayConfig) -> Accounting:
+    def open(cls, config: GatewayConfig, count_call: CountCall = lambda _: None,
+             count_feedback: CountFeedback = lambda _: None) -> Accounting:
         """Open (create if needed) the key store and the ledger the config names."""
-        return cls(config, KeyStore(config.keys_file()), Ledger(config.ledger_file()))
+        return cls(config, KeyStore(config.keys_file()), Ledger(config.ledger_file()), count_call, count_feedback)
 
     async def close(self) -> None:
         """Commit the rows still queued, then close the databases."""
@@ -112,6 +142,8 @@ class RequestAccount:
         self.prompt_tokens = self.completion_tokens = 0
         self.reservation: Reservation | None = None
         self.is_recorded = False
+        self.is_routed = False
+        """Whether ``model`` is the name@version the pipeline routed the call to."""
 
     def authenticate(self, authorization: str) -> Caller:
         self.caller = self._acc.authenticate(authorization)
@@ -132,7 +164,7 @@ class RequestAccount:
         """The pipeline's admission hook, once the prompt is tokenized: reserve the request's
         maximum tokens and cost, or raise RESOURCE_EXHAUSTED."""
         assert self.caller is not None, "authenticate first"
-        self.prompt_tokens, self.model = prompt_tokens, model
+        self.prompt_tokens, self.model, self.is_routed = prompt_tokens, model, True
         max_cost = self._acc.prices.max_cost(model, prompt_tokens, self.max_new_tokens)
         self.reservation = self._acc.limits.reserve(
             self.caller.tenant, self.caller.plan, prompt_tokens + self.max_new_tokens, max_cost)
@@ -145,11 +177,13 @@ class RequestAccount:
         """Settle and commit the row of a finished generation; returns once it is durable."""
         u = final.usage
         self.prompt_tokens, self.completion_tokens, self.model = u.prompt_tokens, u.completion_tokens, u.model
+        self.is_routed = True
         used = 0 if u.cache_hit else u.prompt_tokens + u.completion_tokens
         row = self._row("OK", final.finish_reason, cost=u.cost_micros, used_tokens=used, cache_hit=u.cache_hit,
                         queue_ms=u.queue_ms, ttft_ms=u.ttft_ms, total_ms=u.total_ms, compute_ms=u.compute_ms,
                         kv_peak_bytes=u.kv_peak_bytes, cache_entry_id=u.cache_entry_id,
                         cache_similarity=u.cache_similarity)
+        self._count(row, is_billed=True)
         await self._acc.ledger.record(row)
 
     async def __aenter__(self) -> RequestAccount:
@@ -166,7 +200,9 @@ class RequestAccount:
         cost = self._acc.prices.cost(self.model, self.prompt_tokens, self.completion_tokens, 0) if is_billed else 0
         used = self.prompt_tokens + self.completion_tokens if is_billed else 0
         reason = "cancelled" if status in {"CANCELLED", "DEADLINE_EXCEEDED"} else ("error" if status != "OK" else "")
-        self._acc.ledger.submit(self._row(status, reason, cost=cost, used_tokens=used))
+        row = self._row(status, reason, cost=cost, used_tokens=used)
+        self._count(row, is_billed)
+        self._acc.ledger.submit(row)
         if status == "CANCELLED" and self.api == "Generate" and self.caller is not None:
             self._acc.feedback.abandoned(self.caller.tenant.name, self.request_id)
         if status == "INTERNAL":
@@ -181,6 +217,14 @@ class RequestAccount:
             expired = self.deadline is not None and time.monotonic() >= self.deadline - DEADLINE_SLACK_S
             return "DEADLINE_EXCEEDED" if expired else "CANCELLED"
         return "INTERNAL"
+
+    def _count(self, row: UsageRow, is_billed: bool) -> None:
+        """Tell the metrics how the call ended (``is_billed``: its tokens were billed)."""
+        self._acc.count_call(CallOutcome(
+            model=self.model if self.is_routed else UNKNOWN_LABEL,
+            tier=self.caller.plan.name if self.caller else UNKNOWN_LABEL, code=row.status,
+            prompt_tokens=row.prompt_tokens if is_billed else 0,
+            completion_tokens=row.completion_tokens if is_billed else 0, cost_micros=row.cost_micros))
 
     def _row(self, status: str, finish_reason: str, *, cost: int, used_tokens: int, cache_hit: bool = False,
              queue_ms: int = 0, ttft_ms: int = 0, total_ms: int | None = None, compute_ms: int = 0,

@@ -55,11 +55,33 @@ class CallInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenAlternative:
+    """A token the model could have picked at a step, with its log-probability."""
+
+    token_id: int
+    token_bytes: bytes
+    """Its UTF-8 bytes (a piece of a character when a character spans tokens)."""
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely alternatives at its step."""
+
+    token_id: int
+    token_bytes: bytes
+    logprob: float
+    top: tuple[TokenAlternative, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class Chunk:
     """Text that became available, and the ids behind it."""
 
     text_delta: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per id of ``token_ids`` when the request asked for log-probabilities."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +212,17 @@ class GenerationEvent:
     queue_ms: int = 0
     compute_ms: int = 0
     kv_peak_bytes: int = 0
+    logprobs: tuple[EngineLogprob, ...] = ()
+    """One per id of ``token_ids`` when the request asked for log-probabilities."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLogprob:
+    """A token's log-probability as the engine reports it: ids only (the gateway adds the bytes)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(id, log-probability) of the most likely alternatives, most likely first."""
 
 
 @dataclass(frozen=True, slots=True)

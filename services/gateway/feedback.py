@@ -62,12 +62,19 @@ class RepeatDetector:
         return None if earlier is None else earlier.request_id
 
 
+CountFeedback = Callable[[str], None]
+"""Told the kind of every feedback row written: good, bad, abandoned or repeat (the metrics)."""
+
+RATING_KINDS = {1: "good", -1: "bad"}
+
+
 class Feedback:
     """Writes ratings and passive signals next to the usage rows they are about."""
 
-    def __init__(self, ledger: Ledger, max_comment_chars: int) -> None:
+    def __init__(self, ledger: Ledger, max_comment_chars: int, count: CountFeedback = lambda _: None) -> None:
         self.ledger = ledger
         self.max_comment_chars = max_comment_chars
+        self._count = count
 
     async def rate(self, tenant: str, request_id: str, rating: int, comment: str) -> UsageRow:
         """Record a rating of one of ``tenant``'s requests; return that request's usage row."""
@@ -81,13 +88,16 @@ class Feedback:
         if row is None:
             raise NotFound(f"request_id: no request {request_id!r} of this tenant")
         await asyncio.wrap_future(self._write(tenant, request_id, "rating", rating, comment, ""))
+        self._count(RATING_KINDS[rating])
         return row
 
     def abandoned(self, tenant: str, request_id: str) -> None:
         self._write(tenant, request_id, "abandoned", 0, "", "")
+        self._count("abandoned")
 
     def repeated(self, tenant: str, earlier_request_id: str, request_id: str) -> None:
         self._write(tenant, earlier_request_id, "repeat", 0, "", request_id)
+        self._count("repeat")
 
     def _write(self, tenant: str, request_id: str, kind: str, rating: int, comment: str,
                related: str) -> Future[None]:

@@ -56,6 +56,10 @@ class FleetTokenizer:
         """Tokens of a prompt or a chat, exactly as a generation would render it."""
         return await self._call(lambda t: t.count_tokens(prompt, messages, model))
 
+    async def token_bytes(self, ids: Sequence[int]) -> tuple[bytes, ...]:
+        """The bytes each id stands for alone."""
+        return await self._call(lambda t: t.token_bytes(ids))
+
 
 class FleetDetokenizer:
     """Each generation's stream on the next SERVING tokenizer replica's shared call."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from aiserve.common.finish import FinishReason
 from aiserve.common.pb_enums import finish_reason_from_pb
 from aiserve.v1 import inference_pb2
-from services.gateway.domain import GenerationEvent, GenerationRequest
+from services.gateway.domain import EngineLogprob, GenerationEvent, GenerationRequest
 
 
 def request_to_pb(request: GenerationRequest) -> inference_pb2.InferenceRequest:
@@ -40,4 +40,6 @@ def event_from_pb(message: inference_pb2.InferenceResponse) -> GenerationEvent:
     return GenerationEvent(
         token_ids=tuple(message.token_ids), finish_reason=finish, queue_ms=message.queue_ms,
         compute_ms=message.compute_ms, kv_peak_bytes=message.kv_peak_bytes,
+        logprobs=tuple(EngineLogprob(lp.logprob, tuple(zip(lp.top_token_ids, lp.top_logprobs, strict=True)))
+                       for lp in message.logprobs),
     )

@@ -64,6 +64,10 @@ class PromptTokenizer(Protocol):
         """Tokens of a prompt or a chat, exactly as a generation would render it."""
         ...
 
+    async def token_bytes(self, ids: Sequence[int], model: str) -> tuple[bytes, ...]:
+        """The bytes each of ``model``'s ids stands for alone (for log-probabilities)."""
+        ...
+
 
 class Generation(Protocol):
     """One running generation, read event by event until one carries a finish reason."""

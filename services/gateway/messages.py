@@ -16,6 +16,7 @@ from services.gateway.domain import (
     GatewayRequest,
     TokenCount,
     TokenCountRequest,
+    TokenLogprob,
     UsageRecord,
 )
 from services.gateway.ledger import Bucket, Totals
@@ -100,7 +101,21 @@ def usage_to_pb(usage: UsageRecord) -> common_pb2.Usage:
 
 
 def chunk_to_pb(chunk: Chunk, request_id: str) -> gateway_pb2.GenerateResponse:
-    return gateway_pb2.GenerateResponse(request_id=request_id, text_delta=chunk.text_delta, token_ids=chunk.token_ids)
+    return gateway_pb2.GenerateResponse(request_id=request_id, text_delta=chunk.text_delta, token_ids=chunk.token_ids,
+                                        logprobs=[logprob_to_pb(lp) for lp in chunk.logprobs])
+
+
+def _token_text(token_bytes: bytes) -> str:
+    """A token's text: its bytes as UTF-8, a broken character replaced (OpenAI's "token")."""
+    return token_bytes.decode("utf-8", errors="replace")
+
+
+def logprob_to_pb(lp: TokenLogprob) -> gateway_pb2.TokenLogprob:
+    """domain -> pb: the token and its alternatives, each with text and bytes."""
+    return gateway_pb2.TokenLogprob(
+        token_id=lp.token_id, token=_token_text(lp.token_bytes), token_bytes=lp.token_bytes, logprob=lp.logprob,
+        top=[gateway_pb2.TopLogprob(token_id=a.token_id, token=_token_text(a.token_bytes), token_bytes=a.token_bytes,
+                                    logprob=a.logprob) for a in lp.top])
 
 
 def final_to_pb(final: Final, request_id: str) -> gateway_pb2.GenerateResponse:
@@ -113,6 +128,7 @@ def complete_to_pb(chunks: Sequence[Chunk], final: Final | None, request_id: str
     reply = gateway_pb2.CompleteResponse(
         request_id=request_id, text="".join(c.text_delta for c in chunks),
         token_ids=[t for c in chunks for t in c.token_ids],
+        logprobs=[logprob_to_pb(lp) for c in chunks for lp in c.logprobs],
     )
     if final is not None:
         reply.finish_reason = finish_reason_to_pb(final.finish_reason)

@@ -3,11 +3,18 @@ gateways in one process never share or rebind a metric)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.gateway.accounting import CallOutcome
 from services.gateway.cache_lookup import OUTCOMES
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final
+from services.gateway.replicas import State
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 _TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
@@ -29,9 +36,19 @@ class GatewayMetrics:
         self.requests = Counter("aiserve_gateway_requests_total",
                                 "Finished generations, by the name@version that answered",
                                 ["model", "finish_reason", "cache_hit"], registry=registry)
-        self.tokens = Counter("aiserve_gateway_tokens_total", "Tokens billed", ["kind"], registry=registry)
+        self.calls = Counter("aiserve_gateway_calls_total",
+                             "Generate and Complete calls (gRPC and HTTP) by how they ended: the name@version "
+                             "routed to, the tenant's tier and the status code", ["model", "tier", "code"],
+                             registry=registry)
+        self.tokens = Counter("aiserve_gateway_tokens_total", "Tokens billed, by the tenant's tier",
+                              ["kind", "tier"], registry=registry)
         self.cost = Counter("aiserve_gateway_cost_micros_total", "Cost billed, in millionths of the currency",
                             ["tier"], registry=registry)
+        self.feedback = Counter("aiserve_gateway_feedback_total",
+                                "Feedback recorded: ratings (good, bad) and passive signals (abandoned, repeat)",
+                                ["kind"], registry=registry)
+        for kind in ("good", "bad", "abandoned", "repeat"):  # each reported from the start, at 0
+            self.feedback.labels(kind)
         self.cache_lookups = Counter(
             "aiserve_gateway_cache_lookups_total",
             "Cache lookups by how they ended: hit (before a generation started), hit_cancelled (the generation "
@@ -61,12 +78,20 @@ class GatewayMetrics:
         """One cache lookup ended (services/gateway/cache_lookup.py, OUTCOMES)."""
         self.cache_lookups.labels(outcome).inc()
 
-    def record(self, final: Final, tier: str) -> None:
-        """Count one finished generation of a tenant of ``tier``."""
+    def count_call(self, outcome: CallOutcome) -> None:
+        """One Generate/Complete call ended (its ledger row was written): its code, and what it billed."""
+        self.calls.labels(outcome.model, outcome.tier, outcome.code).inc()
+        self.tokens.labels("prompt", outcome.tier).inc(outcome.prompt_tokens)
+        self.tokens.labels("completion", outcome.tier).inc(outcome.completion_tokens)
+        self.cost.labels(outcome.tier).inc(outcome.cost_micros)
+
+    def count_feedback(self, kind: str) -> None:
+        """One feedback row was written (services/gateway/feedback.py)."""
+        self.feedback.labels(kind).inc()
+
+    def record(self, final: Final) -> None:
+        """Observe one finished generation (its outcome and bill are ``count_call``'s)."""
         self.requests.labels(final.usage.model, final.finish_reason, str(final.usage.cache_hit).lower()).inc()
-        self.tokens.labels("prompt").inc(final.usage.prompt_tokens)
-        self.tokens.labels("completion").inc(final.usage.completion_tokens)
-        self.cost.labels(tier).inc(final.usage.cost_micros)
         u = final.usage
         self.ttft.labels(u.model).observe(u.ttft_ms / 1000)
         self.e2e.labels(u.model).observe(u.total_ms / 1000)
@@ -74,3 +99,47 @@ class GatewayMetrics:
         self.output_tokens.labels(u.model).observe(u.completion_tokens)
         if u.completion_tokens >= 2:
             self.tpot.labels(u.model).observe(max(0, u.total_ms - u.ttft_ms) / 1000 / (u.completion_tokens - 1))
+
+
+class Watched(Protocol):
+    """A replica as the gauges read it (``replica.py``'s ``Replica``)."""
+
+    @property
+    def state(self) -> State: ...
+
+
+class Pool(Protocol):
+    """The replicas of one service for one model (``pool.py``'s ``ReplicaPool``; grpc stays there)."""
+
+    @property
+    def service(self) -> str: ...
+
+    @property
+    def route(self) -> str:
+        """The name@version served ("" for the cache, shared by every route)."""
+        ...
+
+    @property
+    def replicas(self) -> Iterable[Watched]: ...
+
+
+class ReplicaCollector(Collector):
+    """The replicas of every route's versions (and the cache's), counted at scrape time: how
+    many each pool knows and how many of them are SERVING now."""
+
+    def __init__(self, pools: Callable[[], Iterable[Pool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        """``aiserve_gateway_replicas`` and ``aiserve_gateway_healthy_replicas`` by model and service."""
+        known = GaugeMetricFamily("aiserve_gateway_replicas", "Replicas the gateway knows, by the name@version "
+                                  "they serve ('' for the cache) and service", labels=["model", "service"])
+        healthy = GaugeMetricFamily("aiserve_gateway_healthy_replicas", "Replicas whose health watch says SERVING "
+                                    "now, by the name@version they serve ('' for the cache) and service",
+                                    labels=["model", "service"])
+        for pool in self._pools():
+            replicas = list(pool.replicas)
+            known.add_metric([pool.route, pool.service], len(replicas))
+            healthy.add_metric([pool.route, pool.service], sum(r.state is State.SERVING for r in replicas))
+        yield known
+        yield healthy

@@ -30,8 +30,10 @@ from services.gateway.domain import (
     RenderedPrompt,
     RequestOutcome,
     RouteInfo,
+    TokenAlternative,
     TokenCount,
     TokenCountRequest,
+    TokenLogprob,
     UsageRecord,
 )
 from services.gateway.interfaces import AnswerCache, AnswerStore, NoObserver, PipelineBackends, RequestObserver
@@ -180,6 +182,7 @@ class Pipeline:
             and req.cache_policy != "bypass"
             and not req.personalized
             and req.sampling.temperature <= self.config.cache_max_temperature
+            and req.logprobs is None  # a cached answer has no log-probabilities to replay
         )
 
     async def _generated(self, req: GatewayRequest, model: str, prompt: RenderedPrompt, started: float,
@@ -212,7 +215,8 @@ class Pipeline:
             while True:
                 event = await generation.read(_remaining_s(deadline))
                 delta = await detok.push(event.token_ids, _remaining_s(deadline)) if event.token_ids else ""
-                yield Chunk(stops.feed(delta), event.token_ids), event  # events carry the running counters
+                logprobs = await self._logprobs(event, model, deadline) if event.logprobs else ()
+                yield Chunk(stops.feed(delta), event.token_ids, logprobs), event  # events carry the running counters
                 if stops.stopped:
                     return
                 if event.finish_reason is not None:
@@ -226,6 +230,15 @@ class Pipeline:
         finally:
             generation.close()
             detok.close()
+
+    async def _logprobs(self, event: GenerationEvent, model: str, deadline: float) -> tuple[TokenLogprob, ...]:
+        """The event's log-probabilities with each token's bytes (one tokenizer call per event)."""
+        ids = [*event.token_ids, *(i for lp in event.logprobs for i, _ in lp.top)]
+        pieces = dict(zip(ids, await asyncio.wait_for(self.backends.tokenizer.token_bytes(ids, model),
+                                                      _remaining_s(deadline)), strict=True))
+        return tuple(TokenLogprob(token, pieces[token], lp.logprob,
+                                  tuple(TokenAlternative(i, pieces[i], v) for i, v in lp.top))
+                     for token, lp in zip(event.token_ids, event.logprobs, strict=True))
 
     def _usage(self, prompt_tokens: int, completion_tokens: int, model: str, last: GenerationEvent | None,
                ttft_ms: int, total_ms: int) -> UsageRecord:

@@ -32,6 +32,9 @@ class RoutedTokenizer:
                            model: str) -> int:
         return await self.routes.backends_of(model).tokenizer.count_tokens(prompt, messages, model)
 
+    async def token_bytes(self, ids: Sequence[int], model: str) -> tuple[bytes, ...]:
+        return await self.routes.backends_of(model).tokenizer.token_bytes(ids)
+
 
 class RoutedDetokenizer:
     """Each generation's stream on its version's tokenizer replicas."""

@@ -35,10 +35,10 @@ from services.gateway.messages import (
     request_from_pb,
     usage_response_to_pb,
 )
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, ReplicaCollector
 from services.gateway.pipeline import Pipeline
 from services.gateway.route_store import RouteStore
-from services.gateway.validation import refuse_unserved, usage_period
+from services.gateway.validation import usage_period
 
 log = get_logger("gateway")
 
@@ -88,9 +88,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(self, account: RequestAccount, request: gateway_pb2.GenerateRequest,
                         call: CallInfo) -> AsyncGenerator[Chunk | Final, None]:
         """Authenticate, validate, admit, generate; the Final comes after its row is committed."""
-        caller = account.authenticate(call.authorization)
+        account.authenticate(call.authorization)
         checked = request_from_pb(request, self.config, account.request_id)
-        refuse_unserved(checked.logprobs, checked.response_format)
         req = account.admit(replace(checked, session=call.session))
         async with aclosing(self.pipeline.generate(req, call.timeout_s, account.reserve)) as items:
             async for item in items:
@@ -98,7 +97,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     account.streamed(len(item.token_ids))
                 else:
                     await account.finish(item)
-                    self.metrics.record(item, caller.plan.name)
+                    self.metrics.record(item)
                     _log_finished(item)
                 yield item
 
@@ -164,13 +163,14 @@ async def create_server(config: GatewayConfig, observer: RequestObserver | None 
     metrics = GatewayMetrics(handle.registry, config)
     backends = Backends(config, metrics.set_cache_available, RouteStore(config.routes_file()))
     canaries = CanaryWatch(config.judge, handle.registry)
+    handle.registry.register(ReplicaCollector(backends.pools))
 
     async def loops() -> None:  # while it serves: health follows the backends; canaries are judged
         await asyncio.gather(backends.health_loop(handle.set_serving),
                              canaries.run(lambda: backends.routes.table, backends.routes.rollback))
 
     handle.health_loop = loops
-    accounting = Accounting.open(config)
+    accounting = Accounting.open(config, metrics.count_call, metrics.count_feedback)
     observer = observer if observer is not None else canaries.observer
     pipeline = Pipeline(config, backends.pipeline, accounting.prices, observer, metrics.count_cache_lookup)
     servicer = GatewayServicer(config, pipeline, accounting, metrics)

@@ -48,6 +48,15 @@ class TokenizerClient:
             raise downstream_error("tokenizer", exc) from exc
         return tuple(reply.token_ids)
 
+    async def token_bytes(self, ids: Sequence[int]) -> tuple[bytes, ...]:
+        """The bytes each id stands for alone (log-probabilities show them)."""
+        try:
+            reply = await self._stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=ids),
+                                                timeout=TOKENIZER_TIMEOUT_S)
+        except grpc.RpcError as exc:
+            raise downstream_error("tokenizer", exc) from exc
+        return tuple(reply.token_bytes)
+
     async def count_tokens(self, prompt: str | None, messages: Sequence[tuple[str, str]] | None,
                            model: str) -> int:
         """Tokens of a prompt or a chat, exactly as a generation would render it."""

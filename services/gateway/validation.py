@@ -255,12 +255,3 @@ def usage_period(since: str, until: str) -> tuple[int | None, int | None]:
         raise InvalidArgument(f"until: must not be before since ({since}), got {until}")
     return since_ms, until_ms
 
-
-def refuse_unserved(logprobs: LogprobsRequest | None, response_format: ResponseFormat | None) -> None:
-    """Refuse what the engine does not do yet, rather than answer free text without it: the
-    options are validated (above) and reach the inference service, but it neither computes
-    log-probabilities nor constrains decoding yet, and ignoring them would be a silent relaxation."""
-    if logprobs is not None:
-        raise InvalidArgument("logprobs: not served yet (the engine does not compute log-probabilities)")
-    if response_format is not None:
-        raise InvalidArgument("response_format: not served yet (the engine does not constrain decoding)")

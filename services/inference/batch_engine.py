@@ -18,28 +18,34 @@ import contextvars
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 import torch
 
-from aiserve.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from aiserve.common.errors import DeadlineExceeded, InvalidArgument, ResourceExhausted, Unavailable
 from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger, log_startup
 from services.inference.draft_planning import max_logit_rows
 from services.inference.engine_config import EngineConfig
-from services.inference.engine_stats import EngineStats, engine_stats
+from services.inference.engine_stats import EngineStats, StepStats, engine_stats
+from services.inference.grammar import Grammars, RowGrammar
 from services.inference.health_probe import LoopWakers, ModelProbe, ProbeCall, ProbeCalls, settle_all
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.prefix_index import PrefixIndex
 from services.inference.request import GenerateRequest, TokenEvent
 from services.inference.request_record import Deliver, Post, RequestRecord, post_all
-from services.inference.runner import KVCacheError, ModelRunner, RowSampling
-from services.inference.sampler import new_generator
+from services.inference.runner import KVCacheError, ModelRunner, Picked, RowSampling
+from services.inference.sampler import MAX_TOP_LOGPROBS, new_generator
 from services.inference.scheduler import Scheduler
 from services.inference.scheduler_output import SchedulerOutput
 from services.inference.sequence import Seq
 from services.inference.speculative import NgramDrafter
 from services.inference.torch_thread import adopt_thread_count
+
+if TYPE_CHECKING:
+    import xgrammar
 
 log = get_logger("batch_engine")
 
@@ -47,12 +53,16 @@ log = get_logger("batch_engine")
 class BatchEngine:
     """Runs many generations at once on one model; ``generate`` streams each one's events."""
 
-    def __init__(self, model: LlamaModel, eos_ids: frozenset[int], config: EngineConfig | None = None) -> None:
+    def __init__(self, model: LlamaModel, eos_ids: frozenset[int], config: EngineConfig | None = None,
+                 grammars: Grammars | None = None) -> None:
         config = config or EngineConfig()
         c = model.config
-        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, model.dtype)
+        kv_dtype = torch.int8 if config.kv_cache.kv_dtype == "int8" else model.dtype
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype)
         plan = KVPlan.fit(config.kv_cache, layout, config.scheduler.max_num_seqs, c.max_position_embeddings)
         self.model, self.eos_ids, self.config = model, eos_ids, config
+        self.grammars = grammars
+        """Compiles constrained requests' grammars (None: constrained decoding is refused)."""
         self.cache = KVCache(layout, plan, model.device)
         prefix = PrefixIndex(plan.num_blocks, plan.block_size) if plan.num_blocks else None
         self.scheduler = Scheduler(config.scheduler, plan.num_slots, plan.slot_len, prefix)
@@ -66,6 +76,7 @@ class BatchEngine:
         self._is_accepting, self._is_stopping = True, False
         self._thread: threading.Thread | None = None
         self._num_steps = self._num_generated = self._num_requests = self._num_step_errors = 0
+        self.steps = StepStats()  # each step's time and tokens (the metrics' histograms)
 
     def stats(self) -> EngineStats:
         """A snapshot of the batch, the queue, the KV cache and the totals (no torch work)."""
@@ -113,13 +124,51 @@ class BatchEngine:
         with a queue; the multiplexed RPC hands each step's events to one writer instead.
         Raises what ``generate`` raises before the request is queued.
         """
-        seq = self._submit(request, deliver).seq
+        self._validate(request)
+        if request.constraint is None or self.grammars is None:
+            return self._canceller(self._submit(request, deliver, None).seq)
+        compiled = self.grammars.compile(request.constraint)
+        if compiled.done():  # cached: InvalidArgument raised here when it cannot be enforced
+            return self._canceller(self._submit(request, deliver, compiled.result()).seq)
+        return self._submit_when_compiled(request, deliver, compiled)
 
+    def _canceller(self, seq: Seq) -> Callable[[], None]:
         def cancel() -> None:
             with self._lock:
                 self._aborts.append(seq)
                 self._lock.notify_all()
 
+        return cancel
+
+    def _submit_when_compiled(self, request: GenerateRequest, deliver: Deliver,
+                              compiled: Future[xgrammar.CompiledGrammar]) -> Callable[[], None]:
+        """Queue ``request`` once its grammar is compiled (on the grammar thread: neither this
+        loop nor the worker waits); a compile error or a refusal is delivered as its error."""
+        loop, context = asyncio.get_running_loop(), contextvars.copy_context()
+        queued: list[Seq] = []
+        is_cancelled = False
+
+        def queue() -> None:
+            if is_cancelled:
+                return
+            try:
+                queued.append(self._submit(request, deliver, compiled.result()).seq)
+            except Exception as exc:  # noqa: BLE001 - the request's error (InvalidArgument, queue full, ...)
+                deliver(exc)
+
+        def compiled_done(_: Future[xgrammar.CompiledGrammar]) -> None:
+            try:
+                loop.call_soon_threadsafe(queue, context=context)
+            except RuntimeError:  # the caller's loop is closed: nobody waits for it
+                pass
+
+        def cancel() -> None:
+            nonlocal is_cancelled
+            is_cancelled = True
+            if queued:
+                self._canceller(queued[0])()
+
+        compiled.add_done_callback(compiled_done)
         return cancel
 
     async def probe(self, timeout_s: float) -> float:
@@ -161,6 +210,8 @@ class BatchEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self.grammars is not None:
+            self.grammars.close()
         with self._lock:
             settle_all(self._probes.take(), Unavailable("inference is stopping"))
             for seq, record in list(self._records.items()):
@@ -173,8 +224,8 @@ class BatchEngine:
 
     # --- asyncio side -------------------------------------------------------------------------
 
-    def _submit(self, request: GenerateRequest, deliver: Deliver) -> RequestRecord:
-        self._validate(request)
+    def _submit(self, request: GenerateRequest, deliver: Deliver,
+                compiled: xgrammar.CompiledGrammar | None) -> RequestRecord:
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise DeadlineExceeded("deadline passed before the request was queued")
         prompt = request.prompt_token_ids
@@ -183,17 +234,34 @@ class BatchEngine:
                   request.deadline, stop_ids)
         if self.scheduler.config.num_speculative_tokens and request.params.is_argmax:
             seq.drafter = NgramDrafter()  # drafts are verified against the argmax
-        sampling = RowSampling(request.params, new_generator(request.params, self.model.device))
+        if compiled is not None:
+            seq.grammar = RowGrammar(compiled, max(1, self.scheduler.config.num_speculative_tokens))
+        sampling = RowSampling(request.params, new_generator(request.params, self.model.device), request.top_logprobs)
         record = RequestRecord(request, seq, sampling, asyncio.get_running_loop(), deliver, contextvars.copy_context(),
                                self.cache.layout.bytes_per_token)
         with self._lock:
             if not self._is_accepting:
                 raise Unavailable("inference is draining; retry on another replica")
+            self._refuse_long_when_full(len(prompt) + request.max_new_tokens)
             self.scheduler.add(seq)  # ResourceExhausted when the queue is full
             self._records[seq] = record
             self._num_requests += 1
             self._lock.notify_all()
         return record
+
+    def _refuse_long_when_full(self, num_tokens: int) -> None:
+        """Past ``refuse_long_above`` of the KV cache in use, a long request is refused at once
+        (lock held): queued, it would wait for or preempt what runs and be recomputed, thrashing."""
+        kv = self.config.kv_cache
+        if not kv.refuse_long_above or num_tokens <= kv.long_context_tokens:
+            return
+        s = engine_stats(self.scheduler, self.cache, 0, 0, 0, 0)
+        fill = s.kv_used_bytes / s.kv_total_bytes if s.kv_total_bytes else 0.0
+        if fill >= kv.refuse_long_above:
+            raise ResourceExhausted(
+                f"kv cache: {fill:.0%} in use, over the {kv.refuse_long_above:.0%} threshold (refuse_long_above); "
+                f"requests of more than {kv.long_context_tokens} tokens (prompt + max_new_tokens: {num_tokens}) "
+                "are refused until it drains; retry later, or ask for fewer tokens")
 
     def _validate(self, request: GenerateRequest) -> None:
         prompt, vocab = request.prompt_token_ids, self.model.config.vocab_size
@@ -210,6 +278,14 @@ class BatchEngine:
                 f"prompt_token_ids + max_new_tokens: {len(prompt)} + {request.max_new_tokens} "
                 f"exceeds max_seq_len {self.scheduler.slot_len}")
         request.params.validate(vocab)
+        if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument(f"top_logprobs: must be 0..{MAX_TOP_LOGPROBS}, got {request.top_logprobs}")
+        if request.constraint is not None:
+            if self.grammars is None:
+                raise InvalidArgument("decoding.constraint: this engine has no grammar compiler (no tokenizer)")
+            if request.ignore_eos:
+                raise InvalidArgument("decoding.ignore_eos: cannot be combined with a constraint "
+                                      "(a constrained answer ends where its grammar ends)")
 
     # --- worker thread ------------------------------------------------------------------------
 
@@ -274,7 +350,7 @@ class BatchEngine:
             time.sleep(self.config.step_delay_ms / 1000)
         started = time.perf_counter()
         try:
-            sampled = self.runner.execute(output, sampling)
+            picked = self.runner.execute(output, sampling)
         except Exception as exc:  # noqa: BLE001 - reported to the step's callers
             log.exception("engine_step_failed", num_seqs=len(output.chunks))
             with self._lock:
@@ -283,15 +359,17 @@ class BatchEngine:
             return
         elapsed_s = time.perf_counter() - started
         with self._lock:
-            posts = self._account(output, sampled, elapsed_s)
+            posts = self._account(output, picked, elapsed_s)
             self._lock.notify_all()
         post_all(posts)
 
-    def _account(self, output: SchedulerOutput, sampled: list[tuple[int, ...]], elapsed_s: float) -> list[Post]:
+    def _account(self, output: SchedulerOutput, picked: list[Picked], elapsed_s: float) -> list[Post]:
         """Update the scheduler and the records with a step's results (lock held); returns the
         events to post, one per sequence that grew."""
-        grown = self.scheduler.update(output, sampled)
+        grown = self.scheduler.update(output, [p.token_ids for p in picked])
+        logprobs = {c.seq: p.logprobs for c, p in zip((c for c in output.chunks if c.is_sampled), picked, strict=True)}
         self._num_steps += 1
+        self.steps.record(elapsed_s, output.num_tokens)
         self._num_generated += sum(count for _, count in grown)
         for chunk in output.chunks:
             if (record := self._records.get(chunk.seq)) is not None:
@@ -299,7 +377,8 @@ class BatchEngine:
         posts: list[Post] = []
         for seq, count in grown:
             record = self._records[seq]
-            posts.append((record, record.event(tuple(seq.token_ids[-count:]), seq.finish_reason)))
+            posts.append((record, record.event(tuple(seq.token_ids[-count:]), seq.finish_reason,
+                                               logprobs[seq][:count])))
             if seq.is_finished:
                 del self._records[seq]
         return posts

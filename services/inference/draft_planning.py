@@ -29,7 +29,8 @@ def max_logit_rows(config: SchedulerConfig, num_slots: int) -> int:
 def add_drafts(chunks: list[ScheduledChunk], max_drafts: int, room: int) -> None:
     """Give decoding sequences with a drafter up to ``max_drafts`` drafts each, in the chunks'
     order, within ``room`` tokens, by replacing their chunks in place. Drafts never pass a
-    sequence's max_new_tokens (its next token is not a draft)."""
+    sequence's max_new_tokens (its next token is not a draft); a constrained sequence's drafts
+    stop before the first its grammar refuses."""
     for i, chunk in enumerate(chunks):
         if room <= 0:
             return
@@ -38,6 +39,8 @@ def add_drafts(chunks: list[ScheduledChunk], max_drafts: int, room: int) -> None
             continue
         limit = min(max_drafts, room, seq.max_new_tokens - seq.num_output_tokens - 1)
         drafts = seq.drafter.propose(seq.token_ids, limit)
+        if drafts and seq.grammar is not None:  # a draft its grammar refuses could never be accepted
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
         if drafts:
             chunks[i] = ScheduledChunk(seq, chunk.slot, chunk.start, chunk.token_ids + drafts, True, len(drafts))
             room -= len(drafts)

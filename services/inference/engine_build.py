@@ -3,11 +3,13 @@ an engine measured by the benchmark is the engine the service runs with the same
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from aiserve.model_facts import read_model_facts
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
+from services.inference.grammar import Grammars
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
 from services.inference.precision import Precision, choose_precision, read_cpu_flags
@@ -15,7 +17,10 @@ from services.inference.precision import Precision, choose_precision, read_cpu_f
 
 def machine_precision(config: InferenceConfig) -> Precision:
     """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo)."""
-    return choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+    precision = choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+    if config.engine.kv_cache.kv_dtype == "int8":
+        return dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
+    return precision
 
 
 def build_engine(config: InferenceConfig, folder: Path, precision: Precision | None = None) -> BatchEngine:
@@ -26,4 +31,6 @@ def build_engine(config: InferenceConfig, folder: Path, precision: Precision | N
     (torch_thread.py)."""
     precision = precision or machine_precision(config)
     model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul])
-    return BatchEngine(model, read_model_facts(folder).eos_token_ids, config.engine)
+    eos_ids = read_model_facts(folder).eos_token_ids
+    grammars = Grammars(folder / "tokenizer.json", model.config.vocab_size, eos_ids)
+    return BatchEngine(model, eos_ids, config.engine, grammars)

@@ -55,6 +55,10 @@ class SchedulerConfig:
                 f"speculative_max_step_tokens: must be 0..{1 << 20}, got {self.speculative_max_step_tokens}")
 
 
+KV_DTYPES = ("auto", "int8")
+"""KV cache storage: the activations' dtype, or int8 with a scale per token per head."""
+
+
 @dataclass(frozen=True, slots=True)
 class KVCacheConfig:
     """How much memory the KV cache takes (by default: what max_num_seqs sequences need) and how
@@ -75,6 +79,16 @@ class KVCacheConfig:
     """Share of the KV cache kept for reusable prompt prefixes; 0 disables prefix caching. 0..0.9."""
     prefix_block_size: int = 16
     """Tokens per prefix block; prefixes are matched in whole blocks. 1..1024."""
+    kv_dtype: str = "auto"
+    """How K/V are stored: "auto" = the activations' dtype; "int8" = symmetric int8 with one
+    float32 scale per token per head (0.53x of bf16's bytes for head_dim 64: about 1.9x the
+    sequences in the same kv_cache_bytes), dequantized by the attention each step."""
+    refuse_long_above: float = 0.0
+    """KV cache fill (used / total bytes) over which a new request needing more than
+    long_context_tokens is refused with RESOURCE_EXHAUSTED at once, rather than queued to wait
+    for or preempt what runs (thrashing). 0 = off; 0..1."""
+    long_context_tokens: int = 1024
+    """Prompt + max_new_tokens above which a request counts as long for refuse_long_above. 1..1048576."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -86,6 +100,11 @@ class KVCacheConfig:
                 f"prefix_cache_fraction: must be 0..0.9, got {self.prefix_cache_fraction}")
         require(1 <= self.prefix_block_size <= 1024,
                 f"prefix_block_size: must be 1..1024, got {self.prefix_block_size}")
+        require(self.kv_dtype in KV_DTYPES, f"kv_dtype: must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+        require(0.0 <= self.refuse_long_above <= 1.0,
+                f"refuse_long_above: must be 0..1, got {self.refuse_long_above}")
+        require(1 <= self.long_context_tokens <= 1 << 20,
+                f"long_context_tokens: must be 1..1048576, got {self.long_context_tokens}")
 
 
 @dataclass(frozen=True, slots=True)

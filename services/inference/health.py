@@ -124,6 +124,10 @@ class HealthMetrics:
                                    registry=registry)
         self.free_memory = Gauge(p + "free_memory_bytes", "Free memory at the last health check",
                                  registry=registry)
+        self.passed = Gauge(p + "health_check_passed", "1 if the last health check passed, 0 if it failed",
+                            registry=registry)
+        self.checked_at = Gauge(p + "health_check_timestamp_seconds", "Unix time the last health check ended",
+                                registry=registry)
 
 
 class InferenceHealth:
@@ -150,6 +154,8 @@ class InferenceHealth:
     async def check(self) -> Verdict:
         """One health check, reported (and logged and counted when it fails)."""
         verdict = await self._verdict()
+        self.metrics.passed.set(1 if verdict.is_serving else 0)
+        self.metrics.checked_at.set_to_current_time()
         if not verdict.is_serving:
             self.metrics.failures.inc()
             log.warning("probe_failed", reason=verdict.reason)

@@ -115,6 +115,23 @@ class KVCache:
         self.v = torch.zeros(shape, dtype=layout.dtype, device=device)  # [L, S, KVH, T, D]
         self.pk = torch.zeros(block_shape, dtype=layout.dtype, device=device)  # [L, N, KVH, B, D]
         self.pv = torch.zeros(block_shape, dtype=layout.dtype, device=device)  # [L, N, KVH, B, D]
+        # int8 storage: one scale per token per head beside the values, [L, S, KVH, T] and
+        # [L, N, KVH, B] (ones: a zero row stays 0); None otherwise
+        scaled = layout.dtype == torch.int8
+
+        def scales(dims: tuple[int, ...]) -> torch.Tensor | None:
+            return torch.ones(dims, dtype=INT8_SCALE_DTYPE, device=device) if scaled else None
+
+        self.k_scale, self.v_scale = scales(shape[:-1]), scales(shape[:-1])
+        self.pk_scale, self.pv_scale = scales(block_shape[:-1]), scales(block_shape[:-1])
+
+    def _pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(slot tensor, prefix tensor) for the values and, with int8 storage, the scales."""
+        pairs = [(self.k, self.pk), (self.v, self.pv)]
+        if self.k_scale is not None:
+            assert self.v_scale is not None and self.pk_scale is not None and self.pv_scale is not None
+            pairs += [(self.k_scale, self.pk_scale), (self.v_scale, self.pv_scale)]
+        return pairs
 
     @property
     def slot_bytes(self) -> int:
@@ -139,24 +156,24 @@ class KVCache:
         """Fill holes left by finished sequences (in order; once per finish, not per step)."""
         for m in moves:
             if m.num_tokens:
-                self.k[:, m.dst, :, : m.num_tokens] = self.k[:, m.src, :, : m.num_tokens]
-                self.v[:, m.dst, :, : m.num_tokens] = self.v[:, m.src, :, : m.num_tokens]
+                for slots, _ in self._pairs():
+                    slots[:, m.dst, :, : m.num_tokens] = slots[:, m.src, :, : m.num_tokens]
 
     def load_prefix(self, copies: tuple[BlockCopy, ...]) -> None:
         """Copy stored prefix blocks into the slots of newly admitted sequences."""
         for copy in copies:
             for index, block in copy.blocks:
                 span = self._span(index)
-                self.k[:, copy.slot, :, span] = self.pk[:, block]
-                self.v[:, copy.slot, :, span] = self.pv[:, block]
+                for slots, blocks in self._pairs():
+                    slots[:, copy.slot, :, span] = blocks[:, block]
 
     def save_prefix(self, copies: tuple[BlockCopy, ...]) -> None:
         """Copy freshly computed prompt blocks from slots into the prefix store."""
         for copy in copies:
             for index, block in copy.blocks:
                 span = self._span(index)
-                self.pk[:, block] = self.k[:, copy.slot, :, span]
-                self.pv[:, block] = self.v[:, copy.slot, :, span]
+                for slots, blocks in self._pairs():
+                    blocks[:, block] = slots[:, copy.slot, :, span]
 
     def _span(self, block_index: int) -> slice:
         size = self.plan.block_size

@@ -24,15 +24,18 @@ kernels (packed bf16 weights) ``cpu_kernels.py``; which matmul dtype a machine g
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from aiserve.model_facts import CONFIG_FILE
 from services.inference.cpu_kernels import build_kernels
+from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
 from services.inference.llama_weights import build_weights, quantized_dtype, read_tensors
 
@@ -143,10 +146,12 @@ class LlamaModel:
         device = torch.device(device)
         return cls(config, tensors, device, dtype, matmul_dtype, pack_weights)
 
-    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         """Write the step's K/V into the cache and return logits [R, V] of ``batch.logits_rows``.
 
-        k_cache, v_cache: [layers, slots, KVH, T, D].
+        k_cache, v_cache: [layers, slots, KVH, T, D]; an int8 cache (kv_cache.py) comes with its
+        scales k_scale, v_scale: [layers, slots, KVH, T].
         """
         c = self.config
         n, d = batch.input_ids.shape[0], c.head_dim
@@ -157,25 +162,26 @@ class LlamaModel:
         # SDPA turns a bool mask into an additive one on every call: once per step instead
         masks = _Masks(None if batch.single_mask is None else _additive(batch.single_mask, self.dtype),
                        [_additive(span.mask, self.dtype) for span in batch.spans])
-        for layer, kc, vc in zip(self.layers, k_cache, v_cache, strict=True):
+        scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
+            else itertools.repeat((None, None))
+        for layer, kc, vc, (ks, vs) in zip(self.layers, k_cache, v_cache, scales, strict=False):
             x = rms_norm(h, layer.ln_attn, c.rms_norm_eps)
             qkv = layer.qkv(x, wide)  # [N, (H + 2*KVH) * D]
             q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
             q = _rotate(q.view(n, c.num_heads, d), cos, sin)  # [N, H, D]
             k = _rotate(k.view(n, c.num_kv_heads, d), cos, sin)  # [N, KVH, D]
             # Indexed assignment (index_put_) writes the scattered rows ~2x faster than index_copy_
-            kc.view(-1, d)[batch.cache_rows] = k.reshape(-1, d)
-            vc.view(-1, d)[batch.cache_rows] = v.reshape(-1, d)
-            h = h + layer.o(self._attention(q, kc, vc, batch, masks), wide)
+            _store(kc, ks, batch.cache_rows, k.reshape(-1, d))
+            _store(vc, vs, batch.cache_rows, v.reshape(-1, d))
+            h = h + layer.o(self._attention(q, _KV(kc, ks), _KV(vc, vs), batch, masks), wide)
             x = rms_norm(h, layer.ln_mlp, c.rms_norm_eps)
             gate, up = layer.gate_up(x, wide).chunk(2, dim=-1)  # [N, I] each
             h = h + layer.down(F.silu(gate) * up, wide)
         last = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [R, hidden]
         return self.lm_head(last, last.shape[0] >= _WIDE_MIN_LOGIT_ROWS)  # [R, V]
 
-    def _attention(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-                   batch: ForwardBatch, masks: _Masks) -> torch.Tensor:
-        """q: [N, H, D]; kc, vc: one layer's cache [S, KVH, T, D]. Returns [N, H*D]."""
+    def _attention(self, q: torch.Tensor, kc: _KV, vc: _KV, batch: ForwardBatch, masks: _Masks) -> torch.Tensor:
+        """q: [N, H, D]; kc, vc: one layer's cache [S, KVH, T, D] (and int8 scales). Returns [N, H*D]."""
         c = self.config
         n, kvh, g, d = q.shape[0], c.num_kv_heads, c.num_groups, c.head_dim
         scale = d**-0.5
@@ -189,7 +195,8 @@ class LlamaModel:
             else:  # a slot's drafts are more queries of its own: [hi-lo, KVH, w*G, D], (token, group)
                 qs = qs.view(hi - lo, w, kvh, g, d).transpose(1, 2).reshape(hi - lo, kvh, w * g, d)
             out = F.scaled_dot_product_attention(
-                qs, kc[lo:hi, :, :length], vc[lo:hi, :, :length], attn_mask=masks.single, scale=scale,
+                qs, kc.read(lo, hi, length, q.dtype), vc.read(lo, hi, length, q.dtype), attn_mask=masks.single,
+                scale=scale,
             )  # [hi-lo, KVH, w*G, D]
             if w != 1:
                 out = out.view(hi - lo, kvh, w, g, d).transpose(1, 2)
@@ -205,8 +212,33 @@ class LlamaModel:
             t, a = span.num_tokens, span.first
             qp = q[a : a + t].view(t, kvh, g, d).permute(1, 2, 0, 3).reshape(1, kvh, g * t, d)
             o = F.scaled_dot_product_attention(
-                qp, kc[span.slot : span.slot + 1, :, : span.context_len],
-                vc[span.slot : span.slot + 1, :, : span.context_len], attn_mask=span_mask, scale=scale,
+                qp, kc.read(span.slot, span.slot + 1, span.context_len, q.dtype),
+                vc.read(span.slot, span.slot + 1, span.context_len, q.dtype), attn_mask=span_mask, scale=scale,
             )  # [1, KVH, G*t, D]
             result[a : a + t] = o.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, c.num_heads * d)
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class _KV:
+    """One layer's K or V cache [S, KVH, T, D], with its scales [S, KVH, T] when stored as int8."""
+
+    values: torch.Tensor
+    scale: torch.Tensor | None
+
+    def read(self, lo: int, hi: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Slots [lo, hi), positions [0, length), in ``dtype`` (an int8 cache is dequantized)."""
+        values = self.values[lo:hi, :, :length]
+        if self.scale is None:
+            return values
+        return dequantize_int8(values, self.scale[lo:hi, :, :length], dtype)
+
+
+def _store(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, x: torch.Tensor) -> None:
+    """Write ``x [N*KVH, D]`` into ``cache`` at flat ``rows`` (quantized when it is int8)."""
+    if scale is None:
+        cache.view(-1, x.shape[-1])[rows] = x
+        return
+    q, s = quantize_int8(x)
+    cache.view(-1, x.shape[-1])[rows] = q
+    scale.view(-1)[rows] = s

@@ -5,7 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from aiserve.common.finish import FinishReason
-from services.inference.sampler import SamplingParams
+from services.inference.grammar import JsonConstraint
+from services.inference.sampler import MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
+
+__all__ = ["MAX_TOP_LOGPROBS", "GenerateRequest", "TokenEvent", "TokenLogprobs"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -22,6 +25,11 @@ class GenerateRequest:
     """Higher waits less: the queue is ordered by priority, then arrival."""
     deadline: float | None = None
     """Past it while still queued: DeadlineExceeded, and the request never runs."""
+    top_logprobs: int | None = None
+    """None: no log-probabilities (nothing is computed); N: each token's, and the N most likely
+    alternatives' (0..MAX_TOP_LOGPROBS), at each step (``sampler.token_logprobs``)."""
+    constraint: JsonConstraint | None = None
+    """Constrained decoding (grammar.py); None = free text."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,3 +49,5 @@ class TokenEvent:
     compute_ms: float
     kv_peak_bytes: int = 0
     """Most KV bytes this request's tokens held at once (tokens x bytes per token)."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per id of ``token_ids`` when the request asked for them; otherwise empty."""

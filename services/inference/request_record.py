@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from aiserve.common.finish import FinishReason
 from aiserve.common.logging import get_logger
-from services.inference.request import GenerateRequest, TokenEvent
+from services.inference.request import GenerateRequest, TokenEvent, TokenLogprobs
 from services.inference.runner import RowSampling
 from services.inference.sequence import Seq
 
@@ -46,14 +46,16 @@ class RequestRecord:
         """Hand one event (or the error that ends the request) to the caller's loop."""
         post_all([(self, item)])
 
-    def event(self, token_ids: tuple[int, ...], reason: FinishReason | None) -> TokenEvent:
-        """The event carrying ``token_ids``, with the request's counters as of now."""
+    def event(self, token_ids: tuple[int, ...], reason: FinishReason | None,
+              logprobs: tuple[TokenLogprobs, ...] = ()) -> TokenEvent:
+        """The event carrying ``token_ids`` (and their ``logprobs``, when asked), with the
+        request's counters as of now."""
         seq = self.seq
         queued_s = (seq.first_scheduled or time.monotonic()) - seq.arrival
         self.peak_tokens = max(self.peak_tokens, seq.num_computed_tokens)  # K/V written so far
         return TokenEvent(token_ids, reason, seq.num_prompt_tokens,
                           seq.num_output_tokens, queued_s * 1000, self.compute_s * 1000,
-                          self.peak_tokens * self.bytes_per_token)
+                          self.peak_tokens * self.bytes_per_token, logprobs)
 
 
 Post = tuple[RequestRecord, TokenEvent | BaseException]

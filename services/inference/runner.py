@@ -7,16 +7,19 @@ so a seeded request gives the same text whatever else shares the batch.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from services.inference.grammar import apply_masks, new_bitmask
 from services.inference.kv_cache import KVCache
 from services.inference.llama import ForwardBatch, LlamaModel, PrefillSpan
 from services.inference.llama_config import LlamaConfig
-from services.inference.sampler import SamplingParams, sample
-from services.inference.scheduler_output import SchedulerOutput
+from services.inference.sampler import SamplingParams, TokenLogprobs, sample, token_logprobs
+from services.inference.scheduler_output import ScheduledChunk, SchedulerOutput
 from services.inference.sequence import Seq
 from services.inference.speculative import accept
 
@@ -31,6 +34,32 @@ class RowSampling:
 
     params: SamplingParams
     generator: torch.Generator | None
+    top_logprobs: int | None = None
+    """None: no log-probabilities; N: each made token's and N alternatives (sampler.token_logprobs)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Picked:
+    """What one sampled chunk made in a step: its new ids, and their log-probabilities when asked."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+class MaskTimes:
+    """Time spent on grammar masks: totals, and the last steps' seconds per masked row (the
+    benchmark reads their percentiles)."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.seconds = 0.0
+        self.rows = 0
+        self.per_row_s: deque[float] = deque(maxlen=keep)
+
+    def record(self, seconds: float, rows: int) -> None:
+        """One step's masks: ``rows`` rows in ``seconds`` (fill and apply)."""
+        self.seconds += seconds
+        self.rows += rows
+        self.per_row_s.append(seconds / rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,10 +88,11 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, cache: KVCache) -> None:
         self.model = model
         self.cache = cache
+        self.masks = MaskTimes()
 
-    def execute(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
-        """Apply the step; returns, per sampled chunk in chunk order, the ids it made: one, plus
-        one per draft the model confirmed.
+    def execute(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
+        """Apply the step; returns, per sampled chunk in chunk order, the ids it made (one, plus
+        one per draft the model confirmed) and their log-probabilities when the request asked.
 
         Raises KVCacheError when a cache copy fails, anything else from the forward/sampling
         (then only this step's sequences are affected).
@@ -79,24 +109,78 @@ class ModelRunner:
             raise KVCacheError(f"prefix save failed: {exc}") from exc
         return ids
 
-    def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
+    def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
         rows = [BatchRow(c.slot, c.start, c.token_ids, c.is_sampled, c.num_drafts) for c in output.chunks]
         batch = build_batch(rows, self.model.config, self.cache.plan.slot_len, self.model.device)
-        logits = self.model.forward(batch, self.cache.k, self.cache.v)  # [R, V]; 1 + drafts per chunk
+        cache = self.cache
+        # [R, V]; 1 + drafts per chunk
+        logits = self.model.forward(batch, cache.k, cache.v, cache.k_scale, cache.v_scale)
         chunks = [c for c in output.chunks if c.is_sampled]
         if not chunks:
             return []
+        self._mask(logits, chunks)
         # A drafted chunk's rows pick by argmax like its sequence (drafters are only given to those).
         picks = [sampling[c.seq] for c in chunks for _ in range(1 + c.num_drafts)]
         seen = [c.seq.token_ids for c in chunks for _ in range(1 + c.num_drafts)]
         flat = sample(logits, [p.params for p in picks], [p.generator for p in picks], seen).tolist()  # [R]
         made: list[tuple[int, ...]] = []
+        firsts: list[int] = []
         at = 0
         for c in chunks:
             ids = [int(i) for i in flat[at : at + 1 + c.num_drafts]]
+            firsts.append(at)
             at += 1 + c.num_drafts
             made.append(tuple(ids[: accept(c.drafts, ids) + 1]))
-        return made
+        logprobs = self._logprobs(logits, chunks, sampling, firsts, made)
+        for c, made_ids in zip(chunks, made, strict=True):
+            if c.seq.grammar is not None:
+                c.seq.grammar.advance(made_ids)
+        return [Picked(made_ids, lp) for made_ids, lp in zip(made, logprobs, strict=True)]
+
+    def _mask(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+        """Apply the grammar masks of the constrained chunks' rows (the others get none)."""
+        constrained = [(at, c) for at, c in _first_rows(chunks) if c.seq.grammar is not None]
+        if not constrained:
+            return
+        started = time.perf_counter()
+        bitmask = new_bitmask(logits.shape[0], logits.shape[1])
+        rows: list[int] = []
+        for at, c in constrained:
+            assert c.seq.grammar is not None
+            c.seq.grammar.fill(bitmask, at, c.drafts)
+            rows.extend(range(at, at + 1 + c.num_drafts))
+        apply_masks(logits, bitmask.to(logits.device), rows)
+        self.masks.record(time.perf_counter() - started, len(rows))
+
+    def _logprobs(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], sampling: Mapping[Seq, RowSampling],
+                  firsts: Sequence[int], made: Sequence[tuple[int, ...]]) -> list[tuple[TokenLogprobs, ...]]:
+        """Per chunk, the log-probabilities of the ids it made, for the chunks that asked."""
+        rows: list[int] = []
+        params, seen, picked, tops = [], [], [], []
+        for c, at, ids in zip(chunks, firsts, made, strict=True):
+            row = sampling[c.seq]
+            if row.top_logprobs is None:
+                continue
+            for j, token in enumerate(ids):  # the row after draft j - 1 was fed: its context has the drafts
+                rows.append(at + j)
+                params.append(row.params)
+                seen.append([*c.seq.token_ids, *ids[:j]])
+                picked.append(token)
+                tops.append(row.top_logprobs)
+        if not rows:
+            return [() for _ in chunks]
+        computed = iter(token_logprobs(logits, rows, params, seen, picked, tops))
+        return [tuple(next(computed) for _ in ids) if sampling[c.seq].top_logprobs is not None else ()
+                for c, ids in zip(chunks, made, strict=True)]
+
+
+def _first_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:
+    """Each sampled chunk with the index of its first logits row (1 + drafts rows each)."""
+    out, at = [], 0
+    for c in chunks:
+        out.append((at, c))
+        at += 1 + c.num_drafts
+    return out
 
 
 def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,

@@ -15,6 +15,18 @@ import torch
 
 from aiserve.common.errors import InvalidArgument
 
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives a request may ask for at each step."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's log-probability and the ``top`` alternatives (id, log-probability),
+    most likely first, under the distribution it was sampled from (``token_logprobs``)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -154,3 +166,35 @@ def sample(
         drawn = _sample_rows(logits[rows], [params[i] for i in rows], [generators[i] for i in rows])
         ids[rows] = drawn
     return ids
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    seen_ids: Sequence[Sequence[int]],
+    picked: Sequence[int],
+    tops: Sequence[int],
+) -> list[TokenLogprobs]:
+    """The log-probability of ``picked[j]`` at row ``rows[j]`` and its ``tops[j]`` most likely
+    alternatives, under the distribution the row was sampled from: repetition penalty, then
+    temperature (greedy rows: 1, the model's own distribution), then any grammar mask already
+    applied to ``logits`` (forbidden ids are -inf and never listed), before top-k and top-p cut
+    it. Float32 log-softmax of only these rows, so rows that did not ask cost nothing.
+
+    ``params`` and ``seen_ids`` are per row of ``rows``; ``logits`` is the whole step's [R, V].
+    """
+    picked_rows = logits[list(rows)].to(torch.float32, copy=True)  # [n, V]
+    picked_rows = _apply_repetition_penalty(picked_rows, params, seen_ids)
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)  # [n]
+    logprobs = torch.log_softmax(picked_rows / temperature[:, None], dim=-1)  # [n, V]
+    index = torch.tensor(list(picked), dtype=torch.long, device=logits.device)[:, None]  # [n, 1]
+    chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [n]
+    width = max(tops, default=0)
+    best_values, best_ids = (logprobs.topk(width, dim=-1) if width else (logprobs[:, :0], logprobs[:, :0]))
+    values, ids = best_values.tolist(), best_ids.tolist()
+    out = []
+    for j, n in enumerate(tops):
+        top = tuple((int(i), float(v)) for i, v in zip(ids[j][:n], values[j][:n], strict=True) if v != float("-inf"))
+        out.append(TokenLogprobs(float(chosen[j]), top))
+    return out

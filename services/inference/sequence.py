@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiserve.common.finish import FinishReason
 from services.inference.speculative import NgramDrafter
+
+if TYPE_CHECKING:
+    from services.inference.grammar import RowGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -46,6 +50,8 @@ class Seq:
     """The clock instant its first chunk was scheduled (seconds); None while it never ran."""
     drafter: NgramDrafter | None = None
     """Proposes draft tokens (speculative decoding); set only for greedy sequences."""
+    grammar: RowGrammar | None = None
+    """Constrained decoding: the grammar its tokens must follow (masks, draft checks)."""
     arrival_no: int = field(default=-1, repr=False)
     """Order of arrival: breaks priority ties in the queue, picks the newest to preempt."""
 

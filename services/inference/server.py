@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 from grpc import aio
 from prometheus_client import Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 
 from aiserve.common.errors import NotFound
 from aiserve.common.interceptors import RpcMetrics
@@ -29,6 +28,7 @@ from services.inference.generate_mux_server import MuxCall
 from services.inference.health import InferenceHealth, free_memory_bytes
 from services.inference.health_probe import device_free_bytes
 from services.inference.messages import from_pb, to_pb
+from services.inference.metrics import DeviceCollector, EngineCollector, WithLabels, cuda_figures
 from services.inference.model import ModelInfo
 from services.inference.precision import Precision
 from services.inference.request import GenerateRequest
@@ -37,37 +37,6 @@ from services.inference.torch_thread import in_fresh_thread
 log = get_logger("inference")
 
 SERVICE_NAME = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
-
-
-class EngineCollector(Collector):
-    """Prometheus view of ``BatchEngine.stats()``, read at scrape time (no per-step updates)."""
-
-    def __init__(self, engine: BatchEngine) -> None:
-        self.engine = engine
-
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        """One snapshot of the engine as metric families (called by the registry at scrape time)."""
-        s = self.engine.stats()
-        rss = rss_bytes()
-        p = "aiserve_inference_"
-        yield GaugeMetricFamily(p + "running", "Sequences in the running batch", value=s.num_running)
-        yield GaugeMetricFamily(p + "queue_length", "Requests waiting for the model", value=s.num_waiting)
-        yield GaugeMetricFamily(p + "kv_total_bytes", "KV cache size (slots + prefix store)", value=s.kv_total_bytes)
-        yield GaugeMetricFamily(p + "kv_used_bytes", "KV cache bytes held now", value=s.kv_used_bytes)
-        yield GaugeMetricFamily(p + "kv_free_bytes", "KV cache bytes free now", value=s.kv_free_bytes)
-        yield GaugeMetricFamily(p + "kv_share_of_rss", "KV cache size / resident memory",
-                                value=s.kv_total_bytes / rss if rss else 0.0)
-        yield CounterMetricFamily(p + "prefix_lookups", "Prefix-cache lookups", value=s.prefix_lookups)
-        yield CounterMetricFamily(p + "prefix_hits", "Prefix-cache lookups that hit", value=s.prefix_hits)
-        yield CounterMetricFamily(p + "prefix_hit_tokens", "Prompt tokens reused", value=s.prefix_hit_tokens)
-        yield CounterMetricFamily(p + "steps", "Engine steps", value=s.num_steps)
-        yield CounterMetricFamily(p + "generated_tokens", "Tokens generated", value=s.num_generated_tokens)
-        yield CounterMetricFamily(p + "preemptions", "Sequences preempted", value=s.num_preemptions)
-        yield CounterMetricFamily(p + "step_errors", "Engine steps that failed", value=s.num_step_errors)
-        yield CounterMetricFamily(p + "draft_tokens", "Draft tokens computed (speculative decoding)",
-                                  value=s.num_draft_tokens)
-        yield CounterMetricFamily(p + "accepted_draft_tokens", "Draft tokens the model confirmed",
-                                  value=s.num_accepted_draft_tokens)
 
 
 def precision_to_pb(p: Precision) -> inference_pb2.InferencePrecision:
@@ -173,6 +142,21 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
                                         kv_total_bytes=s.kv_total_bytes)
 
 
+def model_metrics(engine: BatchEngine, precision: Precision, registry: CollectorRegistry,
+                  model: str) -> CollectorRegistry:
+    """The registry of this service's own metrics (the engine's, the precision, the GPU's on
+    CUDA; the health loop adds its own), exported through ``registry`` with the label
+    ``model=<name@version>`` on every sample."""
+    own = CollectorRegistry()
+    own.register(EngineCollector(engine))
+    device = engine.model.device
+    if device.type == "cuda":
+        own.register(DeviceCollector(lambda: cuda_figures(device)))
+    export_precision(precision, own)
+    registry.register(WithLabels(own, {"model": model}))
+    return own
+
+
 async def warm_up(engine: BatchEngine) -> None:
     """One short generation, so the first real request pays no first-call costs."""
     request = GenerateRequest(request_id="warm-up", prompt_token_ids=(0,), max_new_tokens=2,
@@ -209,11 +193,10 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     handle.figures = servicer.figures
     handle.on_stopping.append(servicer.stop_muxes)
     handle.on_close.append(engine.stop)
-    handle.registry.register(EngineCollector(engine))
-    export_precision(precision, handle.registry)
+    own = model_metrics(engine, precision, handle.registry, str(model.ref))
     health = InferenceHealth(config.health, engine.probe,
                              lambda: free_memory_bytes(lambda: device_free_bytes(engine.model.device)),
-                             engine.step_errors(), handle.set_serving, handle.registry)
+                             engine.step_errors(), handle.set_serving, own)
     handle.health_loop, servicer.health = health.run, health
     if engine.scheduler.capacity < config.engine.scheduler.max_num_seqs:
         log.warning("kv_cache_caps_batch", max_num_seqs=config.engine.scheduler.max_num_seqs,

@@ -94,6 +94,13 @@ class TokenizerServicer(tokenizer_pb2_grpc.TokenizerServicer):
                           request.skip_special_tokens)
         return tokenizer_pb2.DetokenizeResponse(text=text)
 
+    async def TokenBytes(self, request: tokenizer_pb2.TokenBytesRequest,  # noqa: N802
+                         context: aio.ServicerContext) -> tokenizer_pb2.TokenBytesResponse:
+        """The bytes of each id alone; an id outside [0, vocab_size) -> INVALID_ARGUMENT."""
+        pieces = await _run(len(request.token_ids) * _CHARS_PER_ID, self._tokenizer.token_bytes,
+                            list(request.token_ids))
+        return tokenizer_pb2.TokenBytesResponse(token_bytes=pieces)
+
     async def ApplyChatTemplate(
         self, request: tokenizer_pb2.ApplyChatTemplateRequest, context: aio.ServicerContext,
     ) -> tokenizer_pb2.ApplyChatTemplateResponse:

@@ -8,6 +8,7 @@ Caller mistakes raise ``InvalidArgument`` with a message naming the field and th
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ _NAMED_SPECIALS = ("bos", "eos", "pad", "unk")
 # Keys of tokenizer_config.json that list further special tokens (transformers 4.x / 5.x).
 _EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
 
+
+MAX_TOKEN_BYTES_IDS = 4096
+"""The most ids one TokenBytes call may ask for."""
 
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
@@ -161,6 +165,32 @@ class ModelTokenizer:
         self.check_ids(ids)
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def token_bytes(self, ids: Sequence[int], field: str = "token_ids") -> list[bytes]:
+        """The bytes each id stands for alone (a byte-level piece may be part of a character)."""
+        if len(ids) > MAX_TOKEN_BYTES_IDS:
+            raise InvalidArgument(f"{field}: at most {MAX_TOKEN_BYTES_IDS} ids, got {len(ids)}")
+        self.check_ids(ids, field)
+        table = self._bytes_table
+        return [table[i] for i in ids]
+
+    @functools.cached_property
+    def _bytes_table(self) -> list[bytes]:
+        """Every id's bytes, built on first use: byte-level BPE pieces map back through GPT-2's
+        byte-to-character table; added tokens and other vocabularies are their decoded text."""
+        tok = self._tokenizer
+        decoder = json.loads(tok.to_str()).get("decoder") or {}
+        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        added = {i for i in tok.get_added_tokens_decoder()}
+        byte_of = {c: b for b, c in _byte_level_chars().items()}
+        table = []
+        for i in range(self.vocab_size):
+            piece = tok.id_to_token(i) or ""
+            if "ByteLevel" in kinds and i not in added and all(c in byte_of for c in piece):
+                table.append(bytes(byte_of[c] for c in piece))
+            else:
+                table.append(tok.decode([i], skip_special_tokens=False).encode("utf-8"))
+        return table
+
     def decode_unchecked(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """``decode`` for ids already checked (the incremental detokenizer's hot path)."""
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -193,6 +223,19 @@ class ModelTokenizer:
         if messages is not None:
             return len(self.encode_chat(messages, True, field="chat.messages")[1])
         raise InvalidArgument("input: set one of prompt or chat")
+
+
+def _byte_level_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE pieces are spelled in."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
 
 
 def _check_messages(messages: Sequence[ChatMessage], field: str) -> None:

@@ -186,25 +186,6 @@ def test_user_is_recorded_in_the_ledger_row(suite: Suite) -> None:
 
 # --- log-probabilities and structured output (the engine's, through the door) -----------------
 
-WAITS_ON_ENGINE = pytest.mark.xfail(
-    strict=True, reason="the engine does not compute log-probabilities or constrain decoding yet, so the gateway "
-    "refuses these requests (test_unserved_options_are_refused_not_ignored); when it does, strict xfail fails: "
-    "drop this mark")
-
-
-@pytest.mark.parametrize("params, needle", [
-    ({"logprobs": True, "top_logprobs": 2}, "logprobs: not served yet"),
-    ({"response_format": {"type": "json_object"}}, "response_format: not served yet"),
-])
-def test_unserved_options_are_refused_not_ignored(suite: Suite, params: dict[str, Any], needle: str) -> None:
-    """Until the engine serves them, asking for log-probabilities or a format is a 400, never free text."""
-    with pytest.raises(openai.BadRequestError) as info:
-        client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=4,
-                                              **params)
-    assert needle in str(info.value)
-
-
-@WAITS_ON_ENGINE
 def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(model="smollm2-135m-instruct", messages=chat(), max_tokens=6,
                                                    temperature=0, logprobs=True, top_logprobs=3)
@@ -217,7 +198,6 @@ def test_chat_logprobs_with_top_alternatives(suite: Suite) -> None:
     assert "".join(i.token for i in content) == answer.choices[0].message.content
 
 
-@WAITS_ON_ENGINE
 def test_completions_logprobs(suite: Suite) -> None:
     answer = client(suite).completions.create(model="smollm2-135m-instruct", prompt="The capital of France is",
                                               max_tokens=5, temperature=0, logprobs=2)
@@ -231,13 +211,37 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "populati
           "required": ["city", "population"], "additionalProperties": False}
 
 
-@WAITS_ON_ENGINE
 def test_json_schema_answer_validates(suite: Suite) -> None:
     answer = client(suite).chat.completions.create(
         model="smollm2-135m-instruct", messages=chat("Give a city and its population as JSON."), max_tokens=64,
         temperature=0, response_format={"type": "json_schema",
                                         "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}})
     jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
+
+
+def test_json_object_answer_is_an_object(suite: Suite) -> None:
+    answer = client(suite).chat.completions.create(
+        model="smollm2-135m-instruct", messages=chat("What is the capital of France? Answer as JSON."), max_tokens=64,
+        temperature=0, response_format={"type": "json_object"})
+    assert answer.choices[0].finish_reason == "stop", answer.choices[0].message.content
+    assert isinstance(json.loads(answer.choices[0].message.content or ""), dict)
+
+
+async def test_streamed_logprobs_arrive_with_their_tokens(suite: Suite) -> None:
+    stream = await async_client(suite).chat.completions.create(
+        model="smollm2-135m-instruct", messages=chat(), max_tokens=8, temperature=0, logprobs=True, top_logprobs=2,
+        stream=True, stream_options={"include_usage": True})
+    tokens, text, completion_tokens = [], "", 0
+    async for chunk in stream:
+        if chunk.usage is not None:
+            completion_tokens = chunk.usage.completion_tokens
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.logprobs is not None and choice.logprobs.content:
+                tokens.extend(choice.logprobs.content)
+    assert len(tokens) == completion_tokens > 0
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in tokens)
+    assert "".join(t.token for t in tokens).startswith(text)
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -363,3 +367,23 @@ async def test_http_and_grpc_bill_the_same_request_alike(suite: Suite) -> None:
         (http_row.prompt_tokens, http_row.completion_tokens, http_row.cost_micros)
     assert (grpc_usage.prompt_tokens, grpc_usage.completion_tokens, grpc_usage.cost_micros) == \
         (grpc_row.prompt_tokens, grpc_row.completion_tokens, grpc_row.cost_micros)
+
+
+async def test_grpc_generate_serves_logprobs_and_a_json_schema(suite: Suite) -> None:
+    """The primary contract serves both options too: Complete with a schema and the top 3
+    alternatives gives JSON that validates, one TokenLogprob per token, each with its bytes."""
+    request = gateway_pb2.GenerateRequest(
+        model="smollm2-135m-instruct", sampling=common_pb2.SamplingParams(max_new_tokens=64, temperature=0),
+        logprobs=gateway_pb2.LogprobsOptions(enabled=True, top_logprobs=3),
+        response_format=gateway_pb2.ResponseFormat(json_schema=gateway_pb2.JsonSchemaFormat(
+            name="city", schema=json.dumps(SCHEMA))))
+    request.chat.messages.add(role="user", content="Give a city and its population as JSON.")
+    async with aio.insecure_channel(suite.config.address("gateway")) as channel:
+        reply = await gateway_pb2_grpc.GatewayStub(channel).Complete(request, timeout=TIMEOUT_S,
+                                                                     metadata=auth(dev_key(suite)))
+    jsonschema.validate(json.loads(reply.text), SCHEMA)
+    assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+    assert b"".join(lp.token_bytes for lp in reply.logprobs).decode().startswith(reply.text)
+    for lp in reply.logprobs:
+        assert lp.logprob <= 0 and 1 <= len(lp.top) <= 3
+        assert lp.top[0].logprob >= lp.logprob - 1e-6  # greedy picks the most likely allowed token

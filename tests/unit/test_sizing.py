@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiserve.sizing import Shape, estimate, shape_of
+from aiserve.sizing import LOAD_OVERHEAD, RUNTIME_BYTES, Shape, estimate, shape_of
 from suite.cli import cmd_size
 
 SMOL = Shape(parameters=134_515_008, layers=30, kv_heads=3, head_dim=64, hidden=576,
@@ -62,6 +62,19 @@ def test_size_command_prints_the_estimate(tmp_path: Path, capsys: pytest.Capture
     out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
     assert out["kv_per_token"] == str(2 * 3 * 2 * 8)
     assert int(out["max_batch"]) >= 1
+
+
+def test_resident_adds_runtime_loading_kv_cache_and_activations() -> None:
+    e = estimate(SMOL, "f32", 512, 4)
+    # slots are 95% of the cache; the prefix store is whole blocks of 16 tokens
+    prefix_tokens = int(e.kv_total * 0.05 / 0.95) // e.kv_per_token // 16 * 16
+    assert prefix_tokens == 96  # 107.8 tokens' worth, 6 whole blocks
+    assert e.kv_cache == e.kv_total + prefix_tokens * e.kv_per_token
+    assert e.runtime == RUNTIME_BYTES
+    assert e.resident == RUNTIME_BYTES + int(e.weights * (1 + LOAD_OVERHEAD)) + e.kv_cache + e.activations
+    assert estimate(SMOL, "f32", 512, 4, prefix_fraction=0.0).kv_cache == e.kv_total
+    with pytest.raises(ValueError, match="prefix_fraction"):
+        estimate(SMOL, "f32", 512, 4, prefix_fraction=1.0)
 
 
 def test_a_folder_without_safetensors_is_refused_not_sized_as_zero(tmp_path: Path) -> None:

@@ -81,3 +81,16 @@ async def test_a_health_loop_owns_the_status_until_stopping() -> None:
     assert (handle.is_serving, handle.reason) == (False, "draining")
     await handle.set_serving(True)  # a late report cannot revive a stopping server
     assert not handle.is_serving
+
+
+async def test_every_server_exports_the_process_collector_in_its_own_registry() -> None:
+    """Each service builds its server with new_server: its scrape carries the process's figures."""
+    handles = [new_server(name, [], "127.0.0.1", 0) for name in ("one", "two")]
+    try:
+        for handle in handles:
+            assert (handle.registry.get_sample_value("process_resident_memory_bytes") or 0) > 0
+            assert handle.registry.get_sample_value("process_cpu_seconds_total") is not None
+            assert (handle.registry.get_sample_value("process_open_fds") or 0) > 0
+    finally:
+        for handle in handles:
+            await handle.stop(0)

@@ -75,6 +75,10 @@ class FakeTokenizer:
                            model: str) -> int:
         return len((prompt or "").split()) + 1000 * (model == MODEL)
 
+    async def token_bytes(self, ids: Sequence[int], model: str) -> tuple[bytes, ...]:
+        self.models.append(model)
+        return tuple(f"<{i}>".encode() for i in ids)
+
 
 class FakeGeneration:
     """Reads its script; an exception in it is raised in its turn. With ``held``, its first read

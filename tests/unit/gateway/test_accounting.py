@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from aiserve.common.errors import InvalidArgument, ResourceExhausted, Unauthenticated, Unavailable
 from aiserve.common.finish import FinishReason
-from services.gateway.accounting import Accounting
+from services.gateway.accounting import Accounting, CallOutcome
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final, GatewayRequest, UsageRecord
 from services.gateway.ledger import Ledger, UsageRow
@@ -155,4 +156,45 @@ async def test_a_repeated_question_is_a_passive_signal_on_the_earlier_request(
     await acc.ledger.flush()
     assert acc.ledger.query("SELECT request_id, kind, related_request_id FROM feedback", ()) == [
         ("first", "repeat", "again")
+    ]
+
+
+async def test_every_outcome_is_counted_once_with_what_it_billed(tmp_path: Path) -> None:
+    """Answered, cancelled after 2 tokens, refused before routing, unknown key: one outcome each,
+    the model only once routed and the tier only once authenticated."""
+    config = GatewayConfig(keys_path=str(tmp_path / "keys.sqlite3"), ledger_path=str(tmp_path / "ledger.sqlite3"))
+    keys = KeyStore(config.keys_file())
+    keys.put_tenant(Tenant("acme", "paid"))
+    key = f"Bearer {keys.create_key('acme')[1]}"
+    seen: list[CallOutcome] = []
+    acc = Accounting(config, keys, Ledger(config.ledger_file()), seen.append)
+    try:
+        async with acc.account("Complete", "ok", "", None) as account:
+            account.authenticate(key)
+            account.admit(request("one"))
+            account.reserve(5, MODEL)
+            await account.finish(Final(FinishReason.STOP, UsageRecord(5, 3, False, 1, 2, 3, MODEL, 70)))
+        with pytest.raises(asyncio.CancelledError):
+            async with acc.account("Generate", "gone", "", 60.0) as account:
+                account.authenticate(key)
+                account.admit(request("two"))
+                account.reserve(5, MODEL)
+                account.streamed(2)
+                raise asyncio.CancelledError
+        with pytest.raises(InvalidArgument):
+            async with acc.account("Complete", "bad", "", None) as account:
+                account.authenticate(key)
+                account.admit(replace(request("three"), model="whatever-the-client-wrote"))
+                raise InvalidArgument("prompt: bad")
+        with pytest.raises(Unauthenticated):
+            async with acc.account("Complete", "anon", "", None) as account:
+                account.authenticate("Bearer nope")
+    finally:
+        await acc.close()
+    cancelled_cost = acc.prices.cost(MODEL, 5, 2, 0)
+    assert seen == [
+        CallOutcome(MODEL, "paid", "OK", 5, 3, 70),
+        CallOutcome(MODEL, "paid", "CANCELLED", 5, 2, cancelled_cost),
+        CallOutcome("none", "paid", "INVALID_ARGUMENT", 0, 0, 0),
+        CallOutcome("none", "none", "UNAUTHENTICATED", 0, 0, 0),
     ]

@@ -47,3 +47,20 @@ async def test_only_the_tenants_own_requests_can_be_rated(tmp_path: Path) -> Non
         assert kinds == [("rating", -1, "wrong"), ("abandoned", 0, "")]
     finally:
         rows.close()
+
+
+async def test_each_feedback_row_is_counted_by_its_kind(tmp_path: Path) -> None:
+    ledger = Ledger(tmp_path / "ledger.sqlite3")
+    kinds: list[str] = []
+    feedback = Feedback(ledger, max_comment_chars=10, count=kinds.append)
+    try:
+        await ledger.record(row("mine", tenant="acme"))
+        await feedback.rate("acme", "mine", 1, "")
+        await feedback.rate("acme", "mine", -1, "")
+        with pytest.raises(NotFound):  # refused: not counted
+            await feedback.rate("acme", "never", 1, "")
+        feedback.abandoned("acme", "mine")
+        feedback.repeated("acme", "mine", "later")
+    finally:
+        ledger.close()
+    assert kinds == ["good", "bad", "abandoned", "repeat"]

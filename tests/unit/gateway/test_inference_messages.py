@@ -6,7 +6,7 @@ import pytest
 
 from aiserve.common.finish import FinishReason
 from aiserve.v1 import common_pb2, inference_pb2
-from services.gateway.domain import GenerationEvent, GenerationRequest
+from services.gateway.domain import EngineLogprob, GenerationEvent, GenerationRequest
 from services.gateway.inference_messages import event_from_pb, request_to_pb
 from services.gateway.validation import LogprobsRequest, ResponseFormat, Sampling
 
@@ -46,3 +46,12 @@ def test_an_event_has_a_finish_reason_only_on_the_last_message() -> None:
     unknown = inference_pb2.InferenceResponse(token_ids=[9])
     unknown.finish_reason = 99  # type: ignore[assignment]  # a reason added after this gateway was built
     assert event_from_pb(unknown).finish_reason == FinishReason.STOP  # still the last message
+
+
+def test_an_events_logprobs_are_read_in_token_order() -> None:
+    message = inference_pb2.InferenceResponse(token_ids=[5, 6], logprobs=[
+        inference_pb2.TokenLogprobs(logprob=-0.5, top_token_ids=[5, 9], top_logprobs=[-0.5, -1.25]),
+        inference_pb2.TokenLogprobs(logprob=-0.75)])
+    event = event_from_pb(message)
+    assert event.logprobs == (EngineLogprob(-0.5, ((5, -0.5), (9, -1.25))), EngineLogprob(-0.75, ()))
+    assert event_from_pb(inference_pb2.InferenceResponse(token_ids=[5])).logprobs == ()

@@ -6,6 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from aiserve.common.finish import FinishReason
+from services.gateway.accounting import CallOutcome
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import Final, UsageRecord
 from services.gateway.metrics import GatewayMetrics, with_targets
@@ -24,7 +25,7 @@ def test_targets_become_bucket_bounds_once_and_in_order() -> None:
 def test_a_generation_is_observed_in_each_histogram() -> None:
     registry = CollectorRegistry()
     metrics = GatewayMetrics(registry, GatewayConfig(slo_ttft_s=1.7, slo_tpot_s=0.06, slo_e2e_s=9.0))
-    metrics.record(final(completion_tokens=5, ttft_ms=200, total_ms=1000), tier="free")
+    metrics.record(final(completion_tokens=5, ttft_ms=200, total_ms=1000))
     labels = {"model": "m@1"}
     value = registry.get_sample_value
     assert value("aiserve_gateway_ttft_seconds_sum", labels) == pytest.approx(0.2)
@@ -39,7 +40,7 @@ def test_a_generation_is_observed_in_each_histogram() -> None:
 
 def test_a_one_token_answer_has_no_time_per_token() -> None:
     registry = CollectorRegistry()
-    GatewayMetrics(registry).record(final(completion_tokens=1, ttft_ms=100, total_ms=100), tier="free")
+    GatewayMetrics(registry).record(final(completion_tokens=1, ttft_ms=100, total_ms=100))
     assert registry.get_sample_value("aiserve_gateway_time_per_output_token_seconds_count", {"model": "m@1"}) is None
     assert registry.get_sample_value("aiserve_gateway_ttft_seconds_count", {"model": "m@1"}) == 1
 
@@ -47,3 +48,31 @@ def test_a_one_token_answer_has_no_time_per_token() -> None:
 def test_slo_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="slo_ttft_s"):
         GatewayConfig(slo_ttft_s=0).validate()
+
+
+def test_calls_are_counted_by_model_tier_and_code_and_bill_by_tier() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    metrics.count_call(CallOutcome("m@1", "paid", "OK", 10, 5, 300))
+    metrics.count_call(CallOutcome("m@1", "paid", "CANCELLED", 10, 2, 120))
+    metrics.count_call(CallOutcome("none", "free", "RESOURCE_EXHAUSTED", 0, 0, 0))
+    value = registry.get_sample_value
+    assert value("aiserve_gateway_calls_total", {"model": "m@1", "tier": "paid", "code": "OK"}) == 1
+    assert value("aiserve_gateway_calls_total", {"model": "m@1", "tier": "paid", "code": "CANCELLED"}) == 1
+    assert value("aiserve_gateway_calls_total", {"model": "none", "tier": "free", "code": "RESOURCE_EXHAUSTED"}) == 1
+    assert value("aiserve_gateway_tokens_total", {"kind": "prompt", "tier": "paid"}) == 20
+    assert value("aiserve_gateway_tokens_total", {"kind": "completion", "tier": "paid"}) == 7
+    assert value("aiserve_gateway_cost_micros_total", {"tier": "paid"}) == 420
+    assert value("aiserve_gateway_cost_micros_total", {"tier": "free"}) == 0
+
+
+def test_feedback_is_counted_by_kind_every_kind_from_zero() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    assert registry.get_sample_value("aiserve_gateway_feedback_total", {"kind": "bad"}) == 0
+    metrics.count_feedback("bad")
+    metrics.count_feedback("bad")
+    metrics.count_feedback("abandoned")
+    assert registry.get_sample_value("aiserve_gateway_feedback_total", {"kind": "bad"}) == 2
+    assert registry.get_sample_value("aiserve_gateway_feedback_total", {"kind": "abandoned"}) == 1
+    assert registry.get_sample_value("aiserve_gateway_feedback_total", {"kind": "good"}) == 0

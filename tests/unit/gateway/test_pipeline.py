@@ -13,13 +13,16 @@ from aiserve.common.finish import FinishReason
 from services.gateway.domain import (
     CachedAnswer,
     Chunk,
+    EngineLogprob,
     Final,
     GatewayRequest,
     GenerationEvent,
+    TokenAlternative,
     TokenCountRequest,
+    TokenLogprob,
 )
 from services.gateway.pipeline import Pipeline
-from services.gateway.validation import SamplingInput, resolve_sampling
+from services.gateway.validation import LogprobsRequest, SamplingInput, resolve_sampling
 from tests.unit.gateway.pipeline_fakes import CONFIG, MODEL, FakeRouter, Fakes
 
 TIMEOUT_S = 30.0
@@ -251,3 +254,23 @@ async def test_a_caller_leaving_early_releases_its_version_and_is_not_observed()
     assert fakes.router.released == [MODEL] and fakes.observer.outcomes == []
     await fakes.pipeline().count_tokens(TokenCountRequest("two words", None))
     assert fakes.router.released == [MODEL, MODEL]
+
+
+async def test_logprobs_carry_each_tokens_bytes_and_skip_the_cache() -> None:
+    fakes = Fakes()
+    fakes.cache.answer = CachedAnswer((Chunk("cached", (7,)),), 1, FinishReason.STOP, 1.0, "e-1")  # never used
+    fakes.generations.script = [
+        GenerationEvent((5,), None, logprobs=(EngineLogprob(-0.5, ((5, -0.5), (6, -1.5))),)),
+        GenerationEvent((6, 9), FinishReason.LENGTH, logprobs=(EngineLogprob(-0.25, ((6, -0.25),)),
+                                                                EngineLogprob(-2.0, ()))),
+    ]
+    chunks, final = await run(fakes.pipeline(), request(logprobs=LogprobsRequest(top=2)))
+    assert [lp for c in chunks for lp in c.logprobs] == [
+        TokenLogprob(5, b"<5>", -0.5, (TokenAlternative(5, b"<5>", -0.5), TokenAlternative(6, b"<6>", -1.5))),
+        TokenLogprob(6, b"<6>", -0.25, (TokenAlternative(6, b"<6>", -0.25),)),
+        TokenLogprob(9, b"<9>", -2.0, ()),
+    ]
+    assert not final.usage.cache_hit
+    assert fakes.cache.lookups == [] and fakes.cache.stores == []  # a cached answer has no logprobs to replay
+    [(sent, _, _)] = fakes.generations.opened
+    assert sent.logprobs == LogprobsRequest(top=2)

@@ -10,9 +10,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from aiserve.common.errors import Unavailable
 from aiserve.common.server import ServiceHandle
+from services.gateway.metrics import ReplicaCollector
 from services.gateway.pool import ReplicaPool
 from services.gateway.replica_clients import TokenizerClients
 from services.gateway.replicas import State
@@ -76,5 +78,21 @@ async def test_a_request_waits_for_a_new_replica_to_answer_not_longer(tokenizer:
         with pytest.raises(Unavailable, match="draining"):
             await pool.pick_ready(timeout_s=TIMEOUT_S)  # settled: refused at once
         assert asyncio.get_running_loop().time() - started < 1.0
+    finally:
+        await pool.close()
+
+
+async def test_the_replica_gauges_count_known_and_serving_replicas_at_scrape_time(tokenizer: ServiceHandle) -> None:
+    registry = CollectorRegistry()
+    pool = pool_of(f"ipv4:127.0.0.1:{tokenizer.port},127.0.0.2:{tokenizer.port}")  # nothing listens on .2
+    registry.register(ReplicaCollector(lambda: [pool]))
+    labels = {"model": "m@1", "service": "tokenizer"}
+    try:
+        await pool.wait_for(lambda: all(r.has_answered for r in pool.replicas), TIMEOUT_S)
+        assert registry.get_sample_value("aiserve_gateway_replicas", labels) == 2
+        assert registry.get_sample_value("aiserve_gateway_healthy_replicas", labels) == 1
+        await tokenizer.set_serving(False, "draining")
+        await pool.wait_for(lambda: not pool.replicas.usable(), TIMEOUT_S)
+        assert registry.get_sample_value("aiserve_gateway_healthy_replicas", labels) == 0  # reported, at 0
     finally:
         await pool.close()

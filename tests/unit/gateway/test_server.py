@@ -201,8 +201,28 @@ async def test_the_gateway_counts_in_its_own_registry(gateway: Gateway) -> None:
     labels = {"model": MODEL, "finish_reason": "length", "cache_hit": "false"}
     registry = gateway.handle.registry
     assert registry.get_sample_value("aiserve_gateway_requests_total", labels) == 1.0
-    assert registry.get_sample_value("aiserve_gateway_tokens_total", {"kind": "completion"}) == 4.0
+    assert registry.get_sample_value("aiserve_gateway_tokens_total", {"kind": "completion", "tier": "paid"}) == 4.0
     assert registry.get_sample_value("aiserve_gateway_cost_micros_total", {"tier": "paid"}) == 360.0
     assert registry.get_sample_value("aiserve_gateway_cache_lookups_total", {"outcome": "hit_cancelled"}) == 0.0
     # not in the process-wide default registry, which a second server would share
     assert prometheus_client.REGISTRY.get_sample_value("aiserve_gateway_requests_total", labels) is None
+
+
+async def test_every_call_is_counted_by_model_tier_and_code_and_feedback_by_kind(gateway: Gateway) -> None:
+    """An answer, a refused key and a rating, as the metrics count them; the replicas gauge."""
+    async with aio.insecure_channel(gateway.address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        await stub.Complete(request(), metadata=(*gateway.auth("freebie"), ("x-request-id", "m-1")), timeout=TIMEOUT_S)
+        with pytest.raises(grpc.RpcError):
+            await stub.Complete(request(), metadata=(("authorization", "Bearer nope"),), timeout=TIMEOUT_S)
+        await stub.SubmitFeedback(gateway_pb2.FeedbackRequest(request_id="m-1", rating=-1),
+                                  metadata=gateway.auth("freebie"), timeout=TIMEOUT_S)
+    value = gateway.handle.registry.get_sample_value
+    assert value("aiserve_gateway_calls_total", {"model": MODEL, "tier": "free", "code": "OK"}) == 1
+    assert value("aiserve_gateway_calls_total", {"model": "none", "tier": "none", "code": "UNAUTHENTICATED"}) == 1
+    assert value("aiserve_gateway_tokens_total", {"kind": "prompt", "tier": "free"}) == 3
+    assert value("aiserve_gateway_feedback_total", {"kind": "bad"}) == 1
+    assert value("aiserve_gateway_feedback_total", {"kind": "good"}) == 0
+    for service in ("tokenizer", "inference"):  # both fake backends are SERVING
+        assert value("aiserve_gateway_replicas", {"model": MODEL, "service": service}) == 1
+        assert value("aiserve_gateway_healthy_replicas", {"model": MODEL, "service": service}) == 1

@@ -151,13 +151,3 @@ def test_a_bad_schema_is_refused_at_admission(schema: str, reason: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         checked_response_format("json_schema", schema)
     assert info.value.message.startswith("response_format.json_schema.schema") and reason in info.value.message
-
-
-def test_refuse_unserved_names_what_the_engine_does_not_do_yet() -> None:
-    from services.gateway.validation import LogprobsRequest, ResponseFormat, refuse_unserved
-
-    refuse_unserved(None, None)  # a plain request passes
-    with pytest.raises(InvalidArgument, match="^logprobs: not served yet"):
-        refuse_unserved(LogprobsRequest(top=3), None)
-    with pytest.raises(InvalidArgument, match="^response_format: not served yet"):
-        refuse_unserved(None, ResponseFormat())

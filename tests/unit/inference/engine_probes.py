@@ -13,7 +13,7 @@ import pytest
 
 from services.inference.batch_engine import BatchEngine
 from services.inference.request import TokenEvent
-from services.inference.runner import RowSampling
+from services.inference.runner import Picked, RowSampling
 from services.inference.scheduler_output import SchedulerOutput
 from services.inference.sequence import Seq
 
@@ -57,7 +57,7 @@ class StepGate:
         self._entered, self._released = threading.Event(), threading.Event()
         execute = engine.runner.execute
 
-        def held(output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
+        def held(output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
             self._entered.set()
             self._released.wait(TIMEOUT_S)
             return execute(output, sampling)
@@ -81,7 +81,7 @@ class StepLog:
         self._steps: list[frozenset[tuple[int, ...]]] = []
         execute = engine.runner.execute
 
-        def logged(output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[tuple[int, ...]]:
+        def logged(output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
             with self._lock:
                 self._steps.append(frozenset(tuple(c.seq.token_ids[: c.seq.num_prompt_tokens])
                                              for c in output.chunks))

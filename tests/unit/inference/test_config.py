@@ -19,6 +19,7 @@ BAD_VALUES: dict[str, object] = {
     "num_speculative_tokens": 17, "speculative_max_step_tokens": -1,
     # the KV cache
     "kv_cache_bytes": 1 << 19, "max_seq_len": 15, "prefix_cache_fraction": 0.95, "prefix_block_size": 0,
+    "kv_dtype": "fp4", "refuse_long_above": 1.5, "long_context_tokens": 0,
     # the engine's limit
     "max_new_tokens_limit": 0, "step_delay_ms": 10_001,
     # health

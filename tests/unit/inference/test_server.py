@@ -45,6 +45,12 @@ async def channel(handle: ServiceHandle) -> AsyncIterator[aio.Channel]:
         yield channel
 
 
+def own_metric(handle: ServiceHandle, name: str, **labels: str) -> float | None:
+    """A sample of the service's own metrics, which all carry the name@version it serves."""
+    assert isinstance(handle.servicer, InferenceServicer)
+    return handle.registry.get_sample_value(name, {"model": str(handle.servicer.model.ref), **labels})
+
+
 def generate_request(max_new_tokens: int = 5, **fields: object) -> inference_pb2.InferenceRequest:
     decoding = inference_pb2.Decoding(max_new_tokens=max_new_tokens, ignore_eos=True)
     return inference_pb2.InferenceRequest(
@@ -98,8 +104,8 @@ async def test_confirmed_drafts_arrive_as_several_ids_and_are_counted(
     assert accepted == 18 - len(messages)  # each message is one step: one id + its confirmed drafts
     assert after.num_draft_tokens - before.num_draft_tokens >= accepted
     # the Prometheus view reads the same snapshot
-    accepted_total = handle.registry.get_sample_value("aiserve_inference_accepted_draft_tokens_total")
-    drafted_total = handle.registry.get_sample_value("aiserve_inference_draft_tokens_total")
+    accepted_total = own_metric(handle, "aiserve_inference_accepted_draft_tokens_total")
+    drafted_total = own_metric(handle, "aiserve_inference_draft_tokens_total")
     assert accepted_total is not None and accepted_total >= after.num_accepted_draft_tokens
     assert drafted_total is not None and drafted_total >= after.num_draft_tokens > 0
 
@@ -133,7 +139,30 @@ async def test_the_precision_is_reported_by_info_stats_and_a_metric(handle: Serv
     assert p.reason.startswith(p.cpu_kind + ": ") and "dtype=float32 set" in p.reason
     assert stats.precision == p
     labels = {"weights": "float32", "matmul": "float32", "kv": "float32", "cpu": p.cpu_kind}
-    assert handle.registry.get_sample_value("aiserve_inference_precision", labels) == 1
+    assert own_metric(handle, "aiserve_inference_precision", **labels) == 1
+
+
+async def test_steps_health_and_the_process_are_exported_with_the_model(handle: ServiceHandle,
+                                                                         channel: aio.Channel) -> None:
+    """A generation's steps land in the step histograms; a health check in its gauges; the
+    process collector beside them; no GPU gauge on a CPU."""
+    steps_before = own_metric(handle, "aiserve_inference_step_seconds_count") or 0
+    tokens_before = own_metric(handle, "aiserve_inference_step_tokens_sum") or 0
+    [m async for m in inference_pb2_grpc.InferenceStub(channel).Generate(generate_request(3), timeout=TIMEOUT_S)]
+    steps = own_metric(handle, "aiserve_inference_step_seconds_count")
+    assert steps is not None and steps - steps_before >= 3  # one prefill, then a decode step per token
+    assert steps == own_metric(handle, "aiserve_inference_steps_total")  # the same steps
+    assert own_metric(handle, "aiserve_inference_step_seconds_bucket", le="+Inf") == steps
+    assert (own_metric(handle, "aiserve_inference_step_seconds_sum") or 0) > 0
+    # the prompt's tokens in its prefill, then one per decode step (drafts may add some)
+    assert (own_metric(handle, "aiserve_inference_step_tokens_sum") or 0) - tokens_before >= len(PROMPT) + 2
+    servicer = handle.servicer
+    assert isinstance(servicer, InferenceServicer) and servicer.health is not None
+    assert (await servicer.health.check()).is_serving
+    assert own_metric(handle, "aiserve_inference_health_check_passed") == 1
+    assert (own_metric(handle, "aiserve_inference_health_check_timestamp_seconds") or 0) > 0
+    assert (handle.registry.get_sample_value("process_resident_memory_bytes") or 0) > 0
+    assert own_metric(handle, "aiserve_inference_gpu_memory_allocated_bytes") is None
 
 
 async def test_another_model_is_not_found(channel: aio.Channel) -> None:

@@ -63,6 +63,29 @@ async def test_tokenize_and_detokenize(stub: Stub, tokenizer: ModelTokenizer) ->
     assert (await stub.Detokenize(wrapped, timeout=TIMEOUT_S)).text == CHINESE
 
 
+async def test_token_bytes_spell_the_text_token_by_token(stub: Stub, tokenizer: ModelTokenizer) -> None:
+    text = "Héllo 中文 world 🦙 饕餮"
+    ids = [*tokenizer.encode(text), 2]  # 🦙 and 饕 are split over byte tokens: each holds part of a character
+    reply = await stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=ids), timeout=TIMEOUT_S)
+    pieces = list(reply.token_bytes)
+    assert len(pieces) == len(ids)
+    assert b"".join(pieces[:-1]).decode("utf-8") == text
+    assert pieces[-1] == b"<|im_end|>"  # a special token is its text
+    assert any(_is_partial(p) for p in pieces)
+    await _expect_error(stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=[1 << 30]), timeout=TIMEOUT_S),
+                        grpc.StatusCode.INVALID_ARGUMENT, "token_ids[0]")
+    await _expect_error(stub.TokenBytes(tokenizer_pb2.TokenBytesRequest(token_ids=[0] * 4097), timeout=TIMEOUT_S),
+                        grpc.StatusCode.INVALID_ARGUMENT, "at most 4096")
+
+
+def _is_partial(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
 class _RecordingTokenizer:
     """Stands in for the servicer's tokenizer: records the thread of each ``encode`` and holds a
     large one until released, so a test can see what the event loop does meanwhile."""
