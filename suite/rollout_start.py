@@ -3,6 +3,9 @@
 The order is the safety (docs/rollouts.md):
 
 1. verify the version's files against its manifest (nothing starts from a tampered folder);
+   with ``--eval``, also run the quality gate (``aiserve eval``, suite/evaluate.py) of the
+   version against the route's stable version, in this process: a version outside its bounds
+   is refused before anything starts;
 2. start its own tokenizer and inference processes (``version_instances.py``) and wait for
    SERVING; nothing of the running version is touched;
 3. add it to its route at weight 0 (the gateway's Admin ``AddVersion``): reachable only when
@@ -24,7 +27,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from grpc import aio
@@ -34,6 +37,7 @@ from aiserve.store import Manifest, ModelRef, ModelStore, ModelStoreError
 from aiserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.admin_key import read_admin_key
 from suite.chat import read_key
+from suite.evaluate import Bounds, default_bounds, evaluate, summary, write_report
 from suite.version_instances import start_version, stop_version
 
 GOLDEN_PROMPTS = (
@@ -67,6 +71,10 @@ class StartRequest:
     torch_threads: int = 1
     settings: Mapping[str, str] = field(default_factory=dict)
     """The version's own settings (``AISERVE_TOKENIZER_*``, ``AISERVE_INFERENCE_*``)."""
+    eval_gate: bool = False
+    """Run ``aiserve eval`` against the stable version before starting anything."""
+    eval_max_ppl_increase: float | None = None
+    """The gate's perplexity bound, percent (None: the default of the version's scheme)."""
 
 
 def weight_files(manifest: Manifest) -> dict[str, str]:
@@ -100,6 +108,27 @@ def compare_answers(candidate: Sequence[str], stable: Sequence[str] | None) -> l
         problems += [f"golden prompt {i + 1} ({GOLDEN_PROMPTS[i]!r}): {a!r} differs from the stable version's {b!r}"
                      for i, (a, b) in enumerate(zip(candidate, stable, strict=True)) if a != b]
     return problems
+
+
+def eval_verdict(report: Mapping[str, Any]) -> None:
+    """The rollout's decision on a gate report: RolloutError listing every bound the candidate
+    broke, nothing when it passed."""
+    if report["problems"]:
+        raise RolloutError(f"{report['candidate']} failed the quality gate against {report['reference']}, "
+                           f"nothing was started:\n  " + "\n  ".join(report["problems"]))
+
+
+def run_eval_gate(request: StartRequest, store: ModelStore, stable: str, out: TextIO) -> dict[str, Any]:
+    """Evaluate the candidate against ``stable`` in this process, write the report under
+    ``home/eval``, and apply ``eval_verdict``. Returns the report."""
+    ref = ModelRef.parse(request.model)
+    scheme = (store.manifest(ref).quantization or {}).get("scheme")
+    bounds: Bounds = default_bounds(scheme, request.eval_max_ppl_increase)
+    report = evaluate(store, ref, stable, bounds, threads=request.torch_threads)
+    json_path, _ = write_report(report, request.home / "eval")
+    print(summary(report) + f"\n  report: {json_path}", file=out, flush=True)
+    eval_verdict(report)
+    return report
 
 
 async def golden_answers(channel: aio.Channel, tenant_key: str, model: str, timeout_s: float) -> list[str]:
@@ -138,6 +167,9 @@ async def rollout_start(request: StartRequest, out: TextIO) -> None:
         stable = find_stable(routes, ref.name)
         if any(v.model == request.model for r in routes.routes for v in r.versions):
             raise RolloutError(f"{request.model} is already on route {ref.name}")
+        if request.eval_gate:
+            print(f"evaluating {request.model} against {stable} (quality gate) ...", file=out, flush=True)
+            await asyncio.to_thread(run_eval_gate, request, store, stable, out)
         print(f"starting {request.model} beside {stable} ...", file=out, flush=True)
         try:
             addresses = await start_version(request.home, request.store_root, request.model,
@@ -190,6 +222,10 @@ def add_start_command(actions: argparse._SubParsersAction, common: argparse.Argu
                        help="a setting of the version's own processes, e.g. AISERVE_INFERENCE_DTYPE=float32")
     start.add_argument("--load-timeout", type=float, default=300.0,
                        help="seconds the version may take to load, and each golden prompt (300)")
+    start.add_argument("--eval", action="store_true", dest="eval_gate",
+                       help="first run the quality gate (aiserve eval) against the stable version")
+    start.add_argument("--eval-max-ppl-increase", type=float, default=None, metavar="PCT",
+                       help="the gate's perplexity bound, percent (default: int8 1, int4 5, else 1)")
     start.set_defaults(func=cmd_rollout_start)
 
 
@@ -212,7 +248,8 @@ def cmd_rollout_start(args: argparse.Namespace) -> int:
               f"suite (it writes {home / ADMIN_KEY_FILE} and {home / DEV_KEY_FILE})", file=sys.stderr)
         return 2
     request = StartRequest(args.model, args.weight, args.address, admin_key, tenant_key, home,
-                           model_store_path().resolve(), args.load_timeout, settings=settings)
+                           model_store_path().resolve(), args.load_timeout, settings=settings,
+                           eval_gate=args.eval_gate, eval_max_ppl_increase=args.eval_max_ppl_increase)
     try:
         asyncio.run(rollout_start(request, sys.stdout))
     except (RolloutError, ModelStoreError) as exc:

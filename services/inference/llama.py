@@ -37,7 +37,7 @@ from aiserve.model_facts import CONFIG_FILE
 from services.inference.cpu_kernels import build_kernels
 from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
-from services.inference.llama_weights import build_weights, read_tensors
+from services.inference.llama_weights import build_weights, quantized_dtype, read_tensors
 
 # Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
 _WIDE_MIN_ROWS = 4
@@ -135,9 +135,14 @@ class LlamaModel:
              matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
         ``matmul_dtype`` None = ``dtype`` (the service passes precision.py's choice); ``pack_weights``: keep
-        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows."""
+        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows.
+
+        A quantized version runs in the dtype it was quantized from, whatever ``dtype`` says:
+        its weights compute in that dtype (torchao), and a float32 copy would undo the saving."""
         config = LlamaConfig.from_dict(json.loads((folder / CONFIG_FILE).read_text()))
         tensors = read_tensors(folder)
+        if (qdtype := quantized_dtype(tensors)) is not None:
+            dtype = matmul_dtype = qdtype
         device = torch.device(device)
         return cls(config, tensors, device, dtype, matmul_dtype, pack_weights)
 

@@ -4,6 +4,11 @@
 Each matrix product is a ``Linear``: the weight in the model dtype, plus a float32 copy where
 the model runs its larger products wider (``matmul_dtype``), or a oneDNN-packed copy where
 ``cpu_kernels.pack_weight`` gives an exact one.
+
+A quantized version (``aiserve models quantize``, services/inference/quantize.py) stores its
+products already fused, under the names ``fused_products`` gives, as torchao tensor subclasses
+in a ``torch.save`` file (``QUANTIZED_FILE``): those run on torchao's own ``F.linear`` kernels,
+with neither a float32 copy nor packing.
 """
 
 from __future__ import annotations
@@ -67,12 +72,45 @@ class LlamaWeights:
         return [self.lm_head, *(x for layer in self.layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down))]
 
 
+QUANTIZED_FILE = "model.quantized.pt"
+"""A quantized version's weights: a ``torch.save`` state dict (safetensors refuses torchao's
+tensor subclasses), read back with ``weights_only=True``."""
+
+
+def fused_products(num_layers: int) -> list[tuple[str, list[str]]]:
+    """(fused name, the names it concatenates along the output axis) of each product that the
+    forward runs as one: what a quantized file stores fused, since torchao's tensors have no
+    ``cat`` (per-row scales make quantizing the fused matrix equal to fusing the quantized rows)."""
+    fused = []
+    for i in range(num_layers):
+        prefix = f"model.layers.{i}."
+        fused.append((prefix + "self_attn.qkv_proj", [prefix + f"self_attn.{n}_proj" for n in "qkv"]))
+        fused.append((prefix + "mlp.gate_up_proj", [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]))
+    return fused
+
+
+def is_quantized(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a quantized tensor subclass (torchao's) rather than a plain tensor."""
+    return type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter)
+
+
+def quantized_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype a quantized model's tensors compute in (the dtype it was quantized from), or
+    None when no tensor is quantized."""
+    return next((t.dtype for t in tensors.values() if is_quantized(t)), None)
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of every *.safetensors in ``folder``, on the CPU, by name."""
+    """Every tensor of every *.safetensors in ``folder`` (and of its ``QUANTIZED_FILE``), on the
+    CPU, by name."""
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, framework="pt", device="cpu") as f:
             tensors.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    if (folder / QUANTIZED_FILE).is_file():
+        import torchao.quantization  # noqa: F401  registers its tensor types as safe to unpickle
+
+        tensors.update(torch.load(folder / QUANTIZED_FILE, map_location="cpu", weights_only=True))
     return tensors
 
 
@@ -106,10 +144,11 @@ class _WeightReader:
         prefix = f"model.layers.{i}."
         return Layer(
             self.vector(prefix + "input_layernorm.weight"),
-            self.linear([prefix + f"self_attn.{n}_proj" for n in "qkv"]),
+            self.linear([prefix + f"self_attn.{n}_proj" for n in "qkv"], fused=prefix + "self_attn.qkv_proj"),
             self.linear([prefix + "self_attn.o_proj"]),
             self.vector(prefix + "post_attention_layernorm.weight"),
-            self.linear([prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], bias=False),
+            self.linear([prefix + "mlp.gate_proj", prefix + "mlp.up_proj"], bias=False,
+                        fused=prefix + "mlp.gate_up_proj"),
             self.linear([prefix + "mlp.down_proj"], bias=False),
         )
 
@@ -119,12 +158,16 @@ class _WeightReader:
             return Linear(embed, None, embed.to(self._matmul_dtype))
         return Linear(embed, None, None, packed=self._packed(embed, None))
 
-    def linear(self, names: Sequence[str], bias: bool = True) -> Linear:
-        """The product of the named weights (and biases), concatenated along the output axis."""
-        w = self._get(*[n + ".weight" for n in names])
+    def linear(self, names: Sequence[str], bias: bool = True, fused: str | None = None) -> Linear:
+        """The product of the named weights (and biases), concatenated along the output axis;
+        a quantized weight (stored as ``fused`` where the names are several) runs as it is."""
+        b = self._get(*[n + ".bias" for n in names]) if bias else None
+        stored_fused = fused is not None and len(names) > 1 and fused + ".weight" in self._tensors
+        w = self._get(f"{fused}.weight") if stored_fused else self._get(*[n + ".weight" for n in names])
         if w is None:
             raise ValueError(f"weights: {names[0]}.weight is missing")
-        b = self._get(*[n + ".bias" for n in names]) if bias else None
+        if is_quantized(w):
+            return Linear(w, b)  # torchao's kernel: no float32 copy, no packing
         if self._matmul_dtype == self._dtype:
             return Linear(w, b, packed=self._packed(w, b))
         return Linear(w, b, w.to(self._matmul_dtype), None if b is None else b.to(self._matmul_dtype))
@@ -136,9 +179,12 @@ class _WeightReader:
         return t
 
     def _get(self, *names: str) -> torch.Tensor | None:
-        """The named tensors, concatenated, on the device in the model dtype (None if absent)."""
+        """The named tensors, concatenated, on the device in the model dtype (None if absent); a
+        quantized tensor (always alone) is moved, keeping its own dtype."""
         if not all(n in self._tensors for n in names):
             return None
+        if len(names) == 1 and is_quantized(t := self._tensors[names[0]]):
+            return t.to(device=self._device)
         # copy=True: never keep a buffer backed by the file mapping
         return torch.cat([self._tensors[n] for n in names]).to(device=self._device, dtype=self._dtype, copy=True)
 

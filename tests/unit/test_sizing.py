@@ -75,3 +75,10 @@ def test_resident_adds_runtime_loading_kv_cache_and_activations() -> None:
     assert estimate(SMOL, "f32", 512, 4, prefix_fraction=0.0).kv_cache == e.kv_total
     with pytest.raises(ValueError, match="prefix_fraction"):
         estimate(SMOL, "f32", 512, 4, prefix_fraction=1.0)
+
+
+def test_a_folder_without_safetensors_is_refused_not_sized_as_zero(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 32}))
+    (tmp_path / "model.quantized.pt").write_bytes(b"")  # a quantized version holds only this
+    with pytest.raises(ValueError, match="no safetensors weights \\(a quantized version\\?\\)"):
+        shape_of(tmp_path)

@@ -4,15 +4,27 @@ processes a rollout recorded (real processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from aiserve.store import Manifest, ModelRef
+from aiserve.store import Manifest, ModelRef, ModelStore
 from aiserve.v1 import admin_pb2
-from suite.rollout_start import GOLDEN_PROMPTS, RolloutError, compare_answers, find_stable, same_weights
+from suite.quantize import quantize_version
+from suite.rollout_start import (
+    GOLDEN_PROMPTS,
+    RolloutError,
+    StartRequest,
+    compare_answers,
+    eval_verdict,
+    find_stable,
+    run_eval_gate,
+    same_weights,
+)
 from suite.version_instances import (
     VersionProcess,
     _write_versions,
@@ -21,6 +33,7 @@ from suite.version_instances import (
     stop_unrouted,
     version_env,
 )
+from tests.unit.suite.tiny_versions import tiny_version
 
 
 def manifest(version: str, **files: str) -> Manifest:
@@ -104,3 +117,25 @@ def test_versions_on_no_route_are_stopped(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+def test_the_eval_verdict_refuses_a_report_with_problems() -> None:
+    eval_verdict({"candidate": "m@2", "reference": "m@1", "problems": []})  # passed: no error
+    with pytest.raises(RolloutError, match="m@2 failed the quality gate against m@1, nothing was started:\n  ppl"):
+        eval_verdict({"candidate": "m@2", "reference": "m@1", "problems": ["ppl +3%"]})
+
+
+def test_the_eval_gate_runs_against_the_stable_version_with_the_rollouts_bound(tmp_path: Path,
+                                                                                model_dir: Path) -> None:
+    store = ModelStore(tmp_path / "store")
+    base = tiny_version(store, model_dir, tmp_path)
+    candidate = quantize_version(store, base, "int8").ref
+    request = StartRequest(str(candidate), 10, "127.0.0.1:1", "admin", "tenant", tmp_path / "home", store.root,
+                           eval_gate=True)
+    out = io.StringIO()
+    report = run_eval_gate(request, store, str(base), out)
+    assert report["passed"] and report["reference"] == str(base) and report["bounds"]["max_ppl_increase_pct"] == 1.0
+    assert len(list((tmp_path / "home" / "eval").glob("*.json"))) == 1 and "perplexity" in out.getvalue()
+    strict = dataclasses.replace(request, eval_max_ppl_increase=-1.0)  # must be 1% better: it is not
+    with pytest.raises(RolloutError, match="failed the quality gate"):
+        run_eval_gate(strict, store, str(base), out)
