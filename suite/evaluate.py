@@ -86,31 +86,33 @@ def reference_of(candidate: Manifest, against: str | None) -> ModelRef:
 
 def evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
              max_text_tokens: int = MAX_TEXT_TOKENS, max_new_tokens: int = MAX_NEW_TOKENS,
-             threads: int = 1) -> dict[str, Any]:
+             threads: int = 1, kv_dtype: str = "auto") -> dict[str, Any]:
     """The report of ``candidate_ref`` against its reference (both verified first), verdict
-    included; ``bounds`` None = the defaults of the candidate's scheme; torch on ``threads``."""
+    included; ``bounds`` None = the defaults of the candidate's scheme; torch on ``threads``.
+    ``kv_dtype`` "int8": the candidate runs on an int8 KV cache (the reference on the model's
+    own dtype), and without ``against`` the reference is the candidate's own version."""
     from services.inference.offline import torch_threads
 
     with torch_threads(threads):
-        return _evaluate(store, candidate_ref, against, bounds, max_text_tokens, max_new_tokens)
+        return _evaluate(store, candidate_ref, against, bounds, max_text_tokens, max_new_tokens, kv_dtype)
 
 
 def _evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
-              max_text_tokens: int, max_new_tokens: int) -> dict[str, Any]:
+              max_text_tokens: int, max_new_tokens: int, kv_dtype: str = "auto") -> dict[str, Any]:
     from services.inference.evaluation import compare_text, run_version
 
     started = time.perf_counter()
     cand_folder, cand_manifest = store.load_path(candidate_ref)
-    ref = reference_of(cand_manifest, against)
+    ref = candidate_ref if kv_dtype != "auto" and not against else reference_of(cand_manifest, against)
     ref_folder, ref_manifest = store.load_path(ref)
     text, tasks = load_text(), load_tasks()
     reference = run_version(ref_folder, ref_manifest, text, tasks, max_text_tokens, max_new_tokens)
-    candidate = run_version(cand_folder, cand_manifest, text, tasks, max_text_tokens, max_new_tokens)
+    candidate = run_version(cand_folder, cand_manifest, text, tasks, max_text_tokens, max_new_tokens, kv_dtype)
     compared = compare_text(reference, candidate)
     scheme = cand_manifest.quantization.get("scheme") if cand_manifest.quantization else None
     bounds = bounds or default_bounds(scheme)
     report: dict[str, Any] = {
-        "candidate": str(candidate_ref), "reference": str(ref), "scheme": scheme,
+        "candidate": str(candidate_ref), "reference": str(ref), "scheme": scheme, "candidate_kv_dtype": kv_dtype,
         "dtypes": {"candidate": candidate.dtype, "reference": reference.dtype},
         "text": {"file": f"aiserve/eval_data/{TEXT_FILE.name}", "tokens": int(reference.targets.shape[0]) + 1},
         "reference_perplexity": reference.perplexity, "candidate_perplexity": candidate.perplexity,
@@ -170,7 +172,8 @@ def write_png(report: dict[str, Any], path: Path) -> None:
 def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     """``<candidate>-vs-<reference>.json`` and ``.png`` in ``out_dir``."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"{report['candidate']}-vs-{report['reference']}".replace("@", "_")
+    kv = report.get("candidate_kv_dtype", "auto")
+    stem = f"{report['candidate']}{'' if kv == 'auto' else f'-kv-{kv}'}-vs-{report['reference']}".replace("@", "_")
     json_path, png_path = out_dir / f"{stem}.json", out_dir / f"{stem}.png"
     json_path.write_text(json.dumps(report, indent=2, ensure_ascii=False))
     write_png(report, png_path)
@@ -180,7 +183,9 @@ def write_report(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
 def summary(report: dict[str, Any]) -> str:
     """The report's figures in a few lines."""
     acc = report["accuracy"]
-    return (f"{report['candidate']} against {report['reference']} ({report['text']['tokens']} tokens of text, "
+    kv = report.get("candidate_kv_dtype", "auto")
+    return (f"{report['candidate']}{'' if kv == 'auto' else f' (KV cache {kv})'} against {report['reference']} "
+            f"({report['text']['tokens']} tokens of text, "
             f"{len(report['tasks'])} tasks, {report['seconds']:.0f}s)\n"
             f"  perplexity {report['candidate_perplexity']:.4f} vs {report['reference_perplexity']:.4f} "
             f"({report['perplexity_change_pct']:+.2f}%, bound {report['bounds']['max_ppl_increase_pct']:+.2f}%)\n"
@@ -197,7 +202,8 @@ def cmd_eval(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     scheme = manifest.quantization.get("scheme") if manifest.quantization else None
     bounds = default_bounds(scheme, args.max_ppl_increase, args.max_kl, args.min_top1_agreement,
                             args.max_accuracy_drop)
-    report = evaluate(store, candidate, args.against, bounds, args.max_text_tokens, args.max_new_tokens, args.threads)
+    report = evaluate(store, candidate, args.against, bounds, args.max_text_tokens, args.max_new_tokens, args.threads,
+                      args.kv_dtype)
     json_path, png_path = write_report(report, Path(args.out) if args.out else aiserve_home() / "eval")
     print(summary(report), file=out)
     print(f"  wrote {json_path} and {png_path}", file=out)
@@ -221,6 +227,8 @@ def add_eval_command(sub: argparse._SubParsersAction) -> None:  # type: ignore[t
     ev.add_argument("--max-text-tokens", type=int, default=MAX_TEXT_TOKENS, help="tokens of the text read (1024)")
     ev.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help="greedy tokens per task (24)")
     ev.add_argument("--threads", type=int, default=1, help="torch threads (1: steady on a shared machine)")
+    ev.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                    help="the candidate's KV cache storage (int8: against the same version on its own dtype)")
     ev.add_argument("--out", help="folder for the JSON and PNG (default $AISERVE_HOME/eval)")
     ev.add_argument("--store", help="store folder (default $AISERVE_MODEL_STORE or $AISERVE_HOME/models)")
     ev.set_defaults(func=cmd_eval)

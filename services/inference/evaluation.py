@@ -69,11 +69,11 @@ def load_version(folder: Path) -> LlamaModel:
 
 
 def run_version(folder: Path, manifest: Manifest, text: str, tasks: Sequence[Task], max_text_tokens: int,
-                max_new_tokens: int) -> VersionRun:
+                max_new_tokens: int, kv_dtype: str = "auto") -> VersionRun:
     """Load the version and run it over the text (its first ``max_text_tokens`` tokens) and the
-    tasks (greedy, at most ``max_new_tokens`` each)."""
+    tasks (greedy, at most ``max_new_tokens`` each), on a KV cache stored as ``kv_dtype``."""
     tokenizer = ModelTokenizer.from_folder(folder, manifest)
-    model = OfflineModel(load_version(folder))
+    model = OfflineModel(load_version(folder), kv_dtype)
     ids = tokenizer.encode(text)[:max_text_tokens]
     log_probs = torch.log_softmax(model.text_logits(ids)[:-1], dim=-1)
     prompts = [tokenizer.encode_chat([ChatMessage("user", t.prompt)])[1] for t in tasks]

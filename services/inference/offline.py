@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.llama import LlamaModel
 from services.inference.runner import BatchRow, build_batch
 
@@ -50,17 +51,18 @@ class DecodeSpeed:
 class OfflineModel:
     """One loaded model and the forwards the measurements need (call from one thread)."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, kv_dtype: str = "auto") -> None:
         self.model = model
+        self.kv_dtype = torch.int8 if kv_dtype == "int8" else model.dtype
+        """The KV cache's storage, as the service's ``kv_dtype`` setting chooses it."""
 
-    def _cache(self, slots: int, slot_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K and V caches [layers, slots, KVH, slot_len, D] in the model dtype."""
+    def _cache(self, slots: int, slot_len: int) -> KVCache:
+        """A zeroed KV cache of ``slots`` slots of ``slot_len`` tokens (no prefix store)."""
         c = self.model.config
-        shape = (c.num_layers, slots, c.num_kv_heads, slot_len, c.head_dim)
-        zeros = torch.zeros(shape, dtype=self.model.dtype, device=self.model.device)
-        return zeros, zeros.clone()
+        layout = KVLayout(c.num_layers, c.num_kv_heads, c.head_dim, self.kv_dtype)
+        return KVCache(layout, KVPlan(slots, slot_len, 0, 16), self.model.device)
 
-    def _forward(self, rows: Sequence[BatchRow], slot_len: int, cache: tuple[torch.Tensor, torch.Tensor],
+    def _forward(self, rows: Sequence[BatchRow], slot_len: int, cache: KVCache,
                  all_rows: bool = False) -> torch.Tensor:
         """Logits [R, V] in float32 of the rows' last tokens (every token when ``all_rows``)."""
         batch = build_batch(rows, self.model.config, slot_len, self.model.device)
@@ -68,7 +70,7 @@ class OfflineModel:
             batch = dataclasses.replace(batch, logits_rows=torch.arange(batch.input_ids.shape[0],
                                                                         device=self.model.device))
         with torch.inference_mode():
-            return self.model.forward(batch, *cache).float()
+            return self.model.forward(batch, cache.k, cache.v, cache.k_scale, cache.v_scale).float()
 
     def text_logits(self, ids: Sequence[int]) -> torch.Tensor:
         """Logits [n, V] (float32) after each of ``ids``: one prefill of the whole text."""

@@ -186,8 +186,10 @@ def token_logprobs(
     """
     picked_rows = logits[list(rows)].to(torch.float32, copy=True)  # [n, V]
     picked_rows = _apply_repetition_penalty(picked_rows, params, seen_ids)
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=logits.device)  # [n]
-    logprobs = torch.log_softmax(picked_rows / temperature[:, None], dim=-1)  # [n, V]
+    if any(p.temperature not in (0.0, 1.0) for p in params):  # in place: a new [n, V] costs more than the op
+        inverse = torch.tensor([1.0 / (p.temperature or 1.0) for p in params], device=logits.device)  # [n]
+        picked_rows.mul_(inverse[:, None])
+    logprobs = torch.log_softmax(picked_rows, dim=-1)  # [n, V]
     index = torch.tensor(list(picked), dtype=torch.long, device=logits.device)[:, None]  # [n, 1]
     chosen = logprobs.gather(1, index).squeeze(1).tolist()  # [n]
     width = max(tops, default=0)

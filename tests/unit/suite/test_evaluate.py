@@ -122,3 +122,18 @@ def test_int8_of_the_default_model_passes_the_default_gate(tmp_path: Path, store
     assert report["passed"], report["problems"]
     assert report["top1_agreement"] > 0.9 and 0.0 < report["kl_mean"] < 0.05
     assert store.verify(model_ref).files == store.manifest(model_ref).files  # the base still matches
+
+
+def test_an_int8_kv_cache_is_judged_against_the_same_version(tiny_store: tuple[ModelStore, ModelRef],
+                                                             tmp_path: Path) -> None:
+    store, ref = tiny_store
+    argv = ["eval", str(ref), "--kv-dtype", "int8", "--store", str(store.root), "--out", str(tmp_path),
+            "--max-text-tokens", str(TEXT_TOKENS), "--max-new-tokens", str(NEW_TOKENS)]
+    out = io.StringIO()
+    assert cmd_eval(build_parser().parse_args(argv), out) == 0, out.getvalue()
+    [json_path] = tmp_path.glob("*-kv-int8-vs-*.json")
+    report = json.loads(json_path.read_text())
+    assert report["reference"] == report["candidate"] == str(ref) and report["candidate_kv_dtype"] == "int8"
+    # the same weights on another cache: close, but not the identical run of the version against itself
+    assert 0.0 < report["kl_mean"] < 0.05 and report["perplexity_change_pct"] != 0.0
+    assert "(KV cache int8)" in out.getvalue()
