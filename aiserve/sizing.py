@@ -14,7 +14,9 @@ count is read, not guessed). Figures are bytes.
 - resident = what a serving inference process holds (its RSS): the runtime (``RUNTIME_BYTES``)
   + the weights + what loading leaves behind (``LOAD_OVERHEAD`` x the weights) + the KV cache
   with its prefix store (``prefix_fraction`` of the whole, as the service sizes it) + the
-  activations. Checked against the running service's RSS by
+  activations; with ``packed`` (16-bit weights on a CPU with bf16 instructions, where the service
+  multiplies oneDNN-packed copies) + the packed copy + ``PACKED_KERNEL_BYTES``. Checked against
+  the running service's RSS by
   tests/integration/test_sizing_rss.py (within 15%; docs/quantization.md has the figures).
 """
 
@@ -37,6 +39,12 @@ LOAD_OVERHEAD = 0.2
 gate/up into new tensors and frees the originals, and the C allocator keeps part of the freed
 heap (float32 SmolLM2-135M: 616 MiB above the runtime after loading for 513 MiB of weights,
 525 MiB after ``malloc_trim``)."""
+
+PACKED_KERNEL_BYTES = 160 * 2**20
+"""What oneDNN-packed serving holds beyond the packed copy of the weights: the primitives the
+service builds at start for each weight shape at 48 row-count buckets (services/inference/
+cpu_kernels.py), and their scratch. Measured: bfloat16 SmolLM2-135M at 4 x 512 held 1,035 MiB,
+the unpacked estimate plus one more copy of the weights plus ~160 MiB."""
 
 PREFIX_CACHE_FRACTION = 0.05
 """The inference service's default share of the KV cache kept for prompt prefixes
@@ -117,9 +125,11 @@ def shape_of(folder: Path) -> Shape:
 
 
 def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str | None = None,
-             memory: int | None = None, prefix_fraction: float = PREFIX_CACHE_FRACTION) -> Estimate:
+             memory: int | None = None, prefix_fraction: float = PREFIX_CACHE_FRACTION,
+             packed: bool = False) -> Estimate:
     """Size ``shape`` served in ``dtype`` at ``batch`` sequences of ``context`` tokens (one KV
-    slot each, plus a prefix store of ``prefix_fraction`` of the whole KV cache)."""
+    slot each, plus a prefix store of ``prefix_fraction`` of the whole KV cache); ``packed``:
+    the service multiplies oneDNN-packed copies of the weights (``packs_weights``)."""
     if not 0.0 <= prefix_fraction < 1.0:
         raise ValueError(f"prefix_fraction must be in [0, 1), got {prefix_fraction}")
     if context < 1 or batch < 1:
@@ -139,6 +149,15 @@ def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str |
     prefix_store = prefix_share // (PREFIX_BLOCK_TOKENS * kv_per_token) * PREFIX_BLOCK_TOKENS * kv_per_token
     kv_cache = kv_total + prefix_store
     resident = RUNTIME_BYTES + int(weights * (1 + LOAD_OVERHEAD)) + kv_cache + per_sequence_act * batch
+    if packed:
+        resident += weights + PACKED_KERNEL_BYTES
     return Estimate(weights=weights, kv_per_token=kv_per_token, kv_total=kv_total,
                     activations=per_sequence_act * batch, recommended_ram=2 * weights, max_batch=max_batch,
                     kv_cache=kv_cache, runtime=RUNTIME_BYTES, resident=resident)
+
+
+def packs_weights(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") -> bool:
+    """Whether the inference service keeps oneDNN-packed copies of weights served in ``dtype``
+    on this machine: bfloat16 on a CPU with bf16 dot-product instructions (AMX or AVX512_BF16),
+    where the service's "auto" precision multiplies packed bf16 (docs/engine.md)."""
+    return device == "cpu" and dtype in ("bf16", "bfloat16") and bool(cpu_flags & {"avx512_bf16", "amx_bf16"})

@@ -31,6 +31,7 @@ from aiserve import sizing
 from aiserve import store as model_store
 from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
+from services.inference.precision import read_cpu_flags
 from suite.admin import add_commands
 from suite.alerts import add_alerts_command
 from suite.autoscale_cli import add_autoscale_command
@@ -89,8 +90,9 @@ def cmd_size(args: argparse.Namespace) -> int:
     ref = ModelRef.parse(args.target)
     folder = _store(args).path(ref)
     try:
+        packed = sizing.packs_weights(args.dtype, read_cpu_flags()) if args.packed is None else args.packed
         result = sizing.estimate(sizing.shape_of(folder), args.dtype, args.context, args.batch,
-                                 args.kv_dtype, args.memory)
+                                 args.kv_dtype, args.memory, packed=packed)
     except (ValueError, OSError) as exc:
         print(f"aiserve: {exc}", file=sys.stderr)
         return 2
@@ -216,6 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--dtype", default="bf16")
     size.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: --dtype)")
     size.add_argument("--context", type=_positive_int, default=2048)
+    size.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
+                      help="count oneDNN-packed weight copies (default: as the service does on this CPU: "
+                           "bf16 with bf16 instructions)")
     size.add_argument("--batch", type=_positive_int, default=1)
     size.add_argument("--memory", type=_positive_int, default=None, metavar="BYTES",
                       help="report the largest batch fitting this many bytes")

@@ -10,7 +10,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aiserve.sizing import LOAD_OVERHEAD, RUNTIME_BYTES, Shape, estimate, shape_of
+from aiserve.sizing import (
+    LOAD_OVERHEAD,
+    PACKED_KERNEL_BYTES,
+    RUNTIME_BYTES,
+    Shape,
+    estimate,
+    packs_weights,
+    shape_of,
+)
 from suite.cli import cmd_size
 
 SMOL = Shape(parameters=134_515_008, layers=30, kv_heads=3, head_dim=64, hidden=576,
@@ -58,7 +66,7 @@ def test_size_command_prints_the_estimate(tmp_path: Path, capsys: pytest.Capture
     folder.mkdir(parents=True)
     test_shape_of_reads_config_and_safetensors_header(folder)
     assert cmd_size(argparse.Namespace(target="m@1", store=str(tmp_path), dtype="bf16", kv_dtype="int8",
-                                       context=16, batch=2, memory=10**6)) == 0
+                                       context=16, batch=2, memory=10**6, packed=None)) == 0
     out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
     assert out["kv_per_token"] == str(2 * 3 * 2 * 8)
     assert int(out["max_batch"]) >= 1
@@ -82,3 +90,13 @@ def test_a_folder_without_safetensors_is_refused_not_sized_as_zero(tmp_path: Pat
     (tmp_path / "model.quantized.pt").write_bytes(b"")  # a quantized version holds only this
     with pytest.raises(ValueError, match="no safetensors weights \\(a quantized version\\?\\)"):
         shape_of(tmp_path)
+
+
+def test_packed_serving_adds_the_packed_copy_and_its_kernels() -> None:
+    plain, packed = estimate(SMOL, "bf16", 512, 4), estimate(SMOL, "bf16", 512, 4, packed=True)
+    assert packed.resident - plain.resident == plain.weights + PACKED_KERNEL_BYTES
+    assert packs_weights("bf16", frozenset({"avx2", "avx512_bf16"}))
+    assert packs_weights("bfloat16", frozenset({"amx_bf16"}))
+    assert not packs_weights("bf16", frozenset({"avx2", "avx512f"}))  # no bf16 instructions: unpacked
+    assert not packs_weights("f32", frozenset({"avx512_bf16"}))
+    assert not packs_weights("bf16", frozenset({"avx512_bf16"}), device="cuda")
