@@ -134,11 +134,12 @@ class Grammars:
 
     def compile(self, constraint: JsonConstraint) -> Future[xgrammar.CompiledGrammar]:
         """The compiled grammar of ``constraint``, as a future (done at once when cached).
-        It fails with InvalidArgument when the schema cannot be enforced."""
+        It fails with InvalidArgument when the schema cannot be enforced (kept like a success,
+        so a bad schema sent again costs no second compile)."""
         key = constraint.text
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if future is not None:  # a refusal is cached too: the same schema fails the same way
                 self._cache.move_to_end(key)
                 return future
             future = self._executor.submit(self._compile, key)
