@@ -2,11 +2,12 @@
 (bench/fleet_bench.py: one vs two inference replicas, SIGKILL of a replica under load), then the
 cold start (bench/cold_start.py), then the HTTP door against gRPC (bench/http_bench.py), then
 constrained decoding and log-probabilities against free text (bench/constrained_bench.py), then
-weight quantization (bench/quant_bench.py) and the int8 KV cache (bench/kv_bench.py); the cache
-one is bench.cache_bench. Ends with bench/results/report.md (bench/report.py): whatever
+weight quantization (bench/quant_bench.py), the int8 KV cache (bench/kv_bench.py) and the
+semantic cache (bench/cache_bench.py). Ends with bench/results/report.md (bench/report.py): whatever
 JSON the benchmarks left, the machine named."""
 
 from bench import (
+    cache_bench,
     cold_start,
     constrained_bench,
     engine_bench,
@@ -20,7 +21,7 @@ from bench import (
 
 def main() -> int:
     rc = (engine_bench.main() or fleet_bench.main([]) or cold_start.main([]) or http_bench.main([])
-          or constrained_bench.main([]) or quant_bench.main([]) or kv_bench.main([]))
+          or constrained_bench.main([]) or quant_bench.main([]) or kv_bench.main([]) or cache_bench.main([]))
     report.main()
     return rc
 
