@@ -44,6 +44,9 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily(P + "kv_free_bytes", "KV cache bytes free now", value=s.kv_free_bytes)
         yield GaugeMetricFamily(P + "kv_share_of_rss", "KV cache size / resident memory",
                                 value=s.kv_total_bytes / rss if rss else 0.0)
+        yield GaugeMetricFamily(P + "kv_usage_ratio", "KV cache in use, 0-1 (used / total bytes; what "
+                                "refuse_long_above compares)", value=s.kv_used_bytes / s.kv_total_bytes
+                                if s.kv_total_bytes else 0.0)
         yield CounterMetricFamily(P + "prefix_lookups", "Prefix-cache lookups", value=s.prefix_lookups)
         yield CounterMetricFamily(P + "prefix_hits", "Prefix-cache lookups that hit", value=s.prefix_hits)
         yield CounterMetricFamily(P + "prefix_hit_tokens", "Prompt tokens reused", value=s.prefix_hit_tokens)

@@ -163,6 +163,8 @@ async def test_steps_health_and_the_process_are_exported_with_the_model(handle: 
     assert (own_metric(handle, "aiserve_inference_health_check_timestamp_seconds") or 0) > 0
     assert (handle.registry.get_sample_value("process_resident_memory_bytes") or 0) > 0
     assert own_metric(handle, "aiserve_inference_gpu_memory_allocated_bytes") is None
+    used, total = (own_metric(handle, f"aiserve_inference_kv_{k}_bytes") for k in ("used", "total"))
+    assert used is not None and total and own_metric(handle, "aiserve_inference_kv_usage_ratio") == used / total
 
 
 async def test_another_model_is_not_found(channel: aio.Channel) -> None:
