@@ -47,6 +47,13 @@ def read_json(path: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text(encoding="utf-8"))) if path.is_file() else {}
 
 
+def decoder_kinds(tokenizer_json: str) -> frozenset[str]:
+    """The decoder types of a tokenizer.json (its decoder and, for a Sequence, each step's):
+    "ByteLevel" means GPT-2 style pieces, bytes spelled as printable characters."""
+    decoder = json.loads(tokenizer_json).get("decoder") or {}
+    return frozenset(str(d.get("type")) for d in [decoder, *decoder.get("decoders", [])] if d.get("type"))
+
+
 def token_text(value: object) -> str | None:
     """A special token as tokenizer_config.json writes it: a string or an AddedToken dict."""
     if isinstance(value, str):

@@ -16,7 +16,6 @@ xgrammar was measured against llguidance on this model's vocabulary: 1.2-2.7 us 
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from aiserve.common.errors import InvalidArgument
+from aiserve.model_facts import decoder_kinds
 
 if TYPE_CHECKING:
     import xgrammar
@@ -175,17 +175,14 @@ class Grammars:
         for piece, index in tok.get_vocab(with_added_tokens=True).items():
             if index < self.vocab_size:
                 pieces[index] = piece
-        spec = json.loads(self.tokenizer_file.read_text(encoding="utf-8"))
-        vocab_type = _vocab_type(xgrammar, spec)
+        vocab_type = _vocab_type(xgrammar, decoder_kinds(tok.to_str()))
         return xgrammar.TokenizerInfo(pieces, vocab_type, vocab_size=self.vocab_size,
                                       stop_token_ids=sorted(self.stop_ids), add_prefix_space=False)
 
 
-def _vocab_type(xgrammar: Any, spec: dict[str, Any]) -> Any:
+def _vocab_type(xgrammar: Any, kinds: frozenset[str]) -> Any:
     """BYTE_LEVEL for a GPT-2 style byte-level BPE (the pieces are bytes mapped to printable
-    characters), RAW otherwise; refuse what would be misread."""
-    decoder = spec.get("decoder") or {}
-    kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+    characters), BYTE_FALLBACK for sentencepiece-style byte tokens, RAW otherwise."""
     if "ByteLevel" in kinds:
         return xgrammar.VocabType.BYTE_LEVEL
     if "ByteFallback" in kinds:

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 from aiserve.common.errors import FailedPrecondition, InvalidArgument
 from aiserve.common.protocol import CHAT_ROLES
-from aiserve.model_facts import TOKENIZER_FILE, ModelFactsError, read_model_facts, token_text
+from aiserve.model_facts import TOKENIZER_FILE, ModelFactsError, decoder_kinds, read_model_facts, token_text
 from aiserve.store import Manifest, ModelStoreError
 
 _NAMED_SPECIALS = ("bos", "eos", "pad", "unk")
@@ -178,8 +178,7 @@ class ModelTokenizer:
         """Every id's bytes, built on first use: byte-level BPE pieces map back through GPT-2's
         byte-to-character table; added tokens and other vocabularies are their decoded text."""
         tok = self._tokenizer
-        decoder = json.loads(tok.to_str()).get("decoder") or {}
-        kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+        kinds = decoder_kinds(tok.to_str())
         added = {i for i in tok.get_added_tokens_decoder()}
         byte_of = {c: b for b, c in _byte_level_chars().items()}
         table = []
