@@ -7,6 +7,7 @@ so a seeded request gives the same text whatever else shares the batch.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -118,18 +119,15 @@ class ModelRunner:
         chunks = [c for c in output.chunks if c.is_sampled]
         if not chunks:
             return []
-        self._mask(logits, chunks)
+        firsts = list(itertools.accumulate((1 + c.num_drafts for c in chunks[:-1]), initial=0))  # first row each
+        self._mask(logits, chunks, firsts)
         # A drafted chunk's rows pick by argmax like its sequence (drafters are only given to those).
         picks = [sampling[c.seq] for c in chunks for _ in range(1 + c.num_drafts)]
         seen = [c.seq.token_ids for c in chunks for _ in range(1 + c.num_drafts)]
         flat = sample(logits, [p.params for p in picks], [p.generator for p in picks], seen).tolist()  # [R]
         made: list[tuple[int, ...]] = []
-        firsts: list[int] = []
-        at = 0
-        for c in chunks:
+        for c, at in zip(chunks, firsts, strict=True):
             ids = [int(i) for i in flat[at : at + 1 + c.num_drafts]]
-            firsts.append(at)
-            at += 1 + c.num_drafts
             made.append(tuple(ids[: accept(c.drafts, ids) + 1]))
         logprobs = self._logprobs(logits, chunks, sampling, firsts, made)
         for c, made_ids in zip(chunks, made, strict=True):
@@ -137,9 +135,9 @@ class ModelRunner:
                 c.seq.grammar.advance(made_ids)
         return [Picked(made_ids, lp) for made_ids, lp in zip(made, logprobs, strict=True)]
 
-    def _mask(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk]) -> None:
+    def _mask(self, logits: torch.Tensor, chunks: Sequence[ScheduledChunk], firsts: Sequence[int]) -> None:
         """Apply the grammar masks of the constrained chunks' rows (the others get none)."""
-        constrained = [(at, c) for at, c in _first_rows(chunks) if c.seq.grammar is not None]
+        constrained = [(at, c) for at, c in zip(firsts, chunks, strict=True) if c.seq.grammar is not None]
         if not constrained:
             return
         started = time.perf_counter()
@@ -172,15 +170,6 @@ class ModelRunner:
         computed = iter(token_logprobs(logits, rows, params, seen, picked, tops))
         return [tuple(next(computed) for _ in ids) if sampling[c.seq].top_logprobs is not None else ()
                 for c, ids in zip(chunks, made, strict=True)]
-
-
-def _first_rows(chunks: Sequence[ScheduledChunk]) -> list[tuple[int, ScheduledChunk]]:
-    """Each sampled chunk with the index of its first logits row (1 + drafts rows each)."""
-    out, at = [], 0
-    for c in chunks:
-        out.append((at, c))
-        at += 1 + c.num_drafts
-    return out
 
 
 def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
