@@ -11,8 +11,6 @@ import json
 from html.parser import HTMLParser
 from pathlib import Path
 
-import pytest
-
 from suite.sweep import Cell, Prompt, SweepResults, parse_grid
 from suite.sweep_page import render_page
 from tests.browser import Browser, dump_dom
@@ -76,7 +74,6 @@ def assert_every_cell_is_in_the_dom(results: SweepResults, dom: _Dom) -> None:
     assert dom.by_id["marked"] == f"0 of {len(results.prompts)} prompts marked"
 
 
-@pytest.mark.skipif(not SHIPPED.is_file(), reason="docs/sweep/sweep.json is not there yet")
 def test_the_shipped_sweep_renders_every_output(tmp_path: Path) -> None:
     results = SweepResults.from_json(SHIPPED.read_text(encoding="utf-8"))
     assert len(results.cells) == len(results.prompts) * len(results.points) and not any(c.error for c in results.cells)
