@@ -55,7 +55,7 @@ def test_models_lists_the_routes_and_their_versions(suite: Suite) -> None:
 
 def test_health_tells_the_gateway_health(suite: Suite) -> None:
     reply = httpx.get(suite.config.http_address() + "/health", timeout=TIMEOUT_S)
-    assert reply.status_code == 200
+    assert reply.status_code == 200, reply.text
     assert reply.json() == {"status": "serving"}
 
 
