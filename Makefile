@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export AISERVE_HOME ?= $(CURDIR)/var
 
-.PHONY: run test lint curl promtool chromium protos model venv bench bench-peers lock clean
+.PHONY: run test lint curl promtool chromium gxx kernels protos model venv bench bench-peers lock clean
 
 $(VENV)/.installed: requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +24,16 @@ aiserve/v1/__init__.py: $(VENV)/.installed $(wildcard protos/aiserve/v1/*.proto)
 
 protos: aiserve/v1/__init__.py
 
-model: protos
+model: protos kernels
 	$(VENV)/bin/aiserve models pull
+
+# The inference service's decode-attention kernel (services/inference/decode_attention.py),
+# compiled into the virtual environment against its torch; rebuilt only when its source changes.
+kernels: $(VENV)/.installed gxx
+	$(PY) -m services.inference.decode_attention
+
+gxx:
+	@command -v $${CXX:-g++} >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)
 
 run: model
 	$(VENV)/bin/aiserve run

@@ -33,7 +33,8 @@ from services.inference.request import GenerateRequest
 from services.inference.torch_thread import run_in_fresh_thread
 
 KINDS = (("matmul", ("linear", "mkldnn", "addmm", "mm", "matmul", "bmm")),
-         ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm")),
+         ("attention", ("scaled_dot_product", "flash_attention", "_efficient_attention", "softmax", "baddbmm",
+                        "decode_attention")),
          ("cache write", ("index_put", "index_copy")),
          ("sampling", ("argmax", "topk", "sort", "multinomial", "max")),
          ("norm, rotary, activation", ("pow", "mean", "rsqrt", "mul", "add", "silu", "neg", "cat", "to", "copy_")))

@@ -6,7 +6,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from aiserve.model_facts import read_model_facts
+from services.inference import decode_attention
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.grammar import Grammars
@@ -16,11 +19,16 @@ from services.inference.precision import Precision, choose_precision, read_cpu_f
 
 
 def machine_precision(config: InferenceConfig) -> Precision:
-    """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo)."""
-    precision = choose_precision(config.device, read_cpu_flags(), config.dtype, config.matmul_dtype)
+    """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo), and
+    its decode attention (loading our kernel where it is chosen; RuntimeError where the setting
+    asks for the kernel and it cannot run here)."""
+    flags = read_cpu_flags()
+    precision = choose_precision(config.device, flags, config.dtype, config.matmul_dtype)
     if config.engine.kv_cache.kv_dtype == "int8":
-        return dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
-    return precision
+        precision = dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
+    kernel, why = decode_attention.choose(config.decode_attention, torch.device(config.device), flags)
+    return dataclasses.replace(precision, attention=decode_attention.KERNEL if kernel else decode_attention.SDPA,
+                               attention_reason=why)
 
 
 def build_engine(config: InferenceConfig, folder: Path, precision: Precision | None = None) -> BatchEngine:
@@ -30,7 +38,8 @@ def build_engine(config: InferenceConfig, folder: Path, precision: Precision | N
     Loads and allocates on the calling thread; the service calls it on a thread that then exits
     (torch_thread.py)."""
     precision = precision or machine_precision(config)
-    model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul])
+    model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul],
+                            decode_kernel=precision.attention == decode_attention.KERNEL)
     eos_ids = read_model_facts(folder).eos_token_ids
     grammars = Grammars(folder / "tokenizer.json", model.config.vocab_size, eos_ids)
     return BatchEngine(model, eos_ids, config.engine, grammars)

@@ -4,8 +4,9 @@ One call runs a whole engine step: every sequence's new tokens are flattened int
 of ``N`` tokens, so the linear layers run once over all of them (decodes and prefill chunks
 together). Attention then runs in two kinds of groups (``ForwardBatch``):
 
-- one-token rows (decodes): one ``scaled_dot_product_attention`` call over the cache view
-  ``k[lo:hi, :, :L]`` of their slot range, with a mask for rows of different lengths;
+- one-token rows (decodes): one call over the cache view ``k[lo:hi, :, :L]`` of their slot
+  range: our CPU kernel (``decode_attention.py``), where each slot reads only its own keys, or
+  ``scaled_dot_product_attention`` with a mask for rows of different lengths;
 - multi-token rows (prefill chunks): one call each, causal from the row's first position.
 
 Grouped-query attention needs no copy of K/V: the query heads that share a KV head are
@@ -70,6 +71,7 @@ class ForwardBatch:
     single_index: torch.Tensor | None  # [num_single] place in the [hi-lo, width] grid, flattened;
     # None: one token per slot and rows == slots
     single_mask: torch.Tensor | None  # [hi-lo, 1, width*G or 1, L] bool
+    single_lens: torch.Tensor | None  # [hi-lo, width*G] int32: keys each query reads (the kernel's mask)
     spans: tuple[PrefillSpan, ...]
     single_width: int = 1  # tokens per slot in the decode rows' attention call (1 + drafts)
 
@@ -104,8 +106,11 @@ class LlamaModel:
     """Weights in ordinary memory on ``device`` in ``dtype``, and the batched forward."""
 
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device,
-                 dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> None:
+                 dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True,
+                 decode_kernel: bool = False) -> None:
         self.config, self.device, self.dtype = config, device, dtype
+        self.decode_kernel = decode_kernel and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+        """Whether decode rows attend with our kernel (``decode_attention.py``; loaded by the caller)."""
         self.matmul_dtype = matmul_dtype or dtype
         weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights)
         self.embed, self.lm_head, self.norm, self.layers = weights.embed, weights.lm_head, weights.norm, weights.layers
@@ -132,10 +137,12 @@ class LlamaModel:
 
     @classmethod
     def load(cls, folder: Path, device: torch.device | str, dtype: torch.dtype,
-             matmul_dtype: torch.dtype | None = None, pack_weights: bool = True) -> LlamaModel:
+             matmul_dtype: torch.dtype | None = None, pack_weights: bool = True,
+             decode_kernel: bool = False) -> LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
         ``matmul_dtype`` None = ``dtype`` (the service passes precision.py's choice); ``pack_weights``: keep
-        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows.
+        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows; ``decode_kernel``:
+        decode rows attend with ``torch.ops.aiserve.decode_attention`` (loaded by the caller).
 
         A quantized version runs in the dtype it was quantized from, whatever ``dtype`` says:
         its weights compute in that dtype (torchao), and a float32 copy would undo the saving."""
@@ -144,7 +151,7 @@ class LlamaModel:
         if (qdtype := quantized_dtype(tensors)) is not None:
             dtype = matmul_dtype = qdtype
         device = torch.device(device)
-        return cls(config, tensors, device, dtype, matmul_dtype, pack_weights)
+        return cls(config, tensors, device, dtype, matmul_dtype, pack_weights, decode_kernel)
 
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -159,9 +166,10 @@ class LlamaModel:
         cos = self._cos[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D], rotate_half's sign in
         wide = n >= _WIDE_MIN_ROWS
-        # SDPA turns a bool mask into an additive one on every call: once per step instead
-        masks = _Masks(None if batch.single_mask is None else _additive(batch.single_mask, self.dtype),
-                       [_additive(span.mask, self.dtype) for span in batch.spans])
+        # SDPA turns a bool mask into an additive one on every call: once per step instead (the
+        # kernel reads single_lens instead)
+        single = None if batch.single_mask is None or self.decode_kernel else _additive(batch.single_mask, self.dtype)
+        masks = _Masks(single, [_additive(span.mask, self.dtype) for span in batch.spans])
         scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
             else itertools.repeat((None, None))
         for layer, kc, vc, (ks, vs) in zip(self.layers, k_cache, v_cache, scales, strict=False):
@@ -194,10 +202,16 @@ class LlamaModel:
                 qs = qs.view(hi - lo, kvh, g, d)
             else:  # a slot's drafts are more queries of its own: [hi-lo, KVH, w*G, D], (token, group)
                 qs = qs.view(hi - lo, w, kvh, g, d).transpose(1, 2).reshape(hi - lo, kvh, w * g, d)
-            out = F.scaled_dot_product_attention(
-                qs, kc.read(lo, hi, length, q.dtype), vc.read(lo, hi, length, q.dtype), attn_mask=masks.single,
-                scale=scale,
-            )  # [hi-lo, KVH, w*G, D]
+            if self.decode_kernel:  # each slot reads its own keys: no mask, int8 read as it is
+                assert batch.single_lens is not None
+                out = torch.ops.aiserve.decode_attention(
+                    qs.contiguous(), kc.values[lo:hi, :, :length], vc.values[lo:hi, :, :length], batch.single_lens,
+                    scale, kc.scale_view(lo, hi, length), vc.scale_view(lo, hi, length))
+            else:
+                out = F.scaled_dot_product_attention(
+                    qs, kc.read(lo, hi, length, q.dtype), vc.read(lo, hi, length, q.dtype), attn_mask=masks.single,
+                    scale=scale,
+                )  # [hi-lo, KVH, w*G, D]
             if w != 1:
                 out = out.view(hi - lo, kvh, w, g, d).transpose(1, 2)
             out = out.reshape((hi - lo) * w, c.num_heads * d)  # [(hi-lo)*w, H*D]
@@ -232,6 +246,10 @@ class _KV:
         if self.scale is None:
             return values
         return dequantize_int8(values, self.scale[lo:hi, :, :length], dtype)
+
+    def scale_view(self, lo: int, hi: int, length: int) -> torch.Tensor | None:
+        """The int8 scales of slots [lo, hi), positions [0, length) (None when not int8)."""
+        return None if self.scale is None else self.scale[lo:hi, :, :length]
 
 
 def _store(cache: torch.Tensor, scale: torch.Tensor | None, rows: torch.Tensor, x: torch.Tensor) -> None:

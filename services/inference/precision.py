@@ -68,6 +68,10 @@ class Precision:
     """The flags of ``CPU_KINDS`` this CPU has (none on CUDA: the choice rests on none)."""
     reason: str
     """One line: why these dtypes."""
+    attention: str = "sdpa"
+    """What decode rows attend with: "kernel" (ours, ``decode_attention.py``) or "sdpa" (torch's)."""
+    attention_reason: str = ""
+    """One line: why that attention."""
 
 
 def machine_kind(device: str, cpu_flags: Set[str]) -> str:

@@ -201,7 +201,7 @@ def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
     return ForwardBatch(
         torch.tensor(ids, device=device), pos_t.to(device), cache_rows.reshape(-1).to(device),
         torch.tensor(logits_rows, dtype=torch.long, device=device), sum(len(rows[i].token_ids) for i in singles),
-        decode.lo, decode.hi, decode.length, decode.index, decode.mask, spans, decode.width)
+        decode.lo, decode.hi, decode.length, decode.index, decode.mask, decode.lens, spans, decode.width)
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +211,7 @@ class _DecodeRows:
     length: int = 0
     index: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
     width: int = 1
 
 
@@ -237,7 +238,8 @@ def _decode_rows(rows: Sequence[BatchRow], num_groups: int, device: torch.device
     index = None
     if len(places) != hi - lo or width != 1:
         index = torch.tensor(places, device=device)
-    return _DecodeRows(lo, hi, length, index, mask.to(device), width)
+    lens = context.repeat_interleave(num_groups, dim=1).to(torch.int32)  # [hi-lo, width*G], (token, group)
+    return _DecodeRows(lo, hi, length, index, mask.to(device), lens.to(device), width)
 
 
 def _span(first: int, row: BatchRow, num_groups: int, device: torch.device) -> PrefillSpan:
