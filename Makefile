@@ -27,10 +27,10 @@ protos: aiserve/v1/__init__.py
 model: protos kernels
 	$(VENV)/bin/aiserve models pull
 
-# The inference service's decode-attention kernel (services/inference/decode_attention.py),
-# compiled into the virtual environment against its torch; rebuilt only when its source changes.
+# The inference service's CPU ops (services/inference/native_ops.py), compiled into the virtual
+# environment against its torch; rebuilt only when their sources change.
 kernels: $(VENV)/.installed gxx
-	$(PY) -m services.inference.decode_attention
+	$(PY) -m services.inference.native_ops
 
 gxx:
 	@command -v $${CXX:-g++} >/dev/null || (apt-get update -qq && apt-get install -y -qq g++)

@@ -14,8 +14,8 @@ from services.inference.health import HealthConfig
 from services.inference.precision import AUTO, DTYPES
 
 SETTING_DTYPES = (AUTO, *DTYPES)
-ATTENTION_CHOICES = (AUTO, "kernel", "sdpa")
-"""Values of ``decode_attention`` (services/inference/decode_attention.py)."""
+NATIVE_OPS_CHOICES = (AUTO, "on", "off")
+"""Values of ``native_ops`` (services/inference/native_ops.py)."""
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -42,10 +42,10 @@ class InferenceConfig(ServiceConfig):
     """Dtype of the large matrix products: "auto" = chosen by the machine (float32 copies for a
     16-bit model on a CPU without bf16 instructions, where bf16 GEMMs are emulated; else the
     weights' dtype: services/inference/precision.py), or a dtype name, which wins."""
-    decode_attention: str = AUTO
-    """What decode rows attend with: "auto" = our CPU kernel where it is built and the CPU has
-    AVX2 + FMA, else torch's SDPA; "kernel" = ours or refuse to start; "sdpa" = torch's
-    (services/inference/decode_attention.py)."""
+    native_ops: str = AUTO
+    """Our CPU ops for the decode attention, the RMSNorms and the rotary embedding: "auto" = where
+    they are built and the model runs on a CPU with AVX2 + FMA in bfloat16 or float32, else
+    torch's; "on" = ours or refuse to start; "off" = torch's (services/inference/native_ops.py)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
     """The engine's settings (scheduler, KV cache, limits), given by their own flat names:
     ``max_num_seqs``, ``kv_cache_bytes``, ... (services/inference/engine_config.py)."""
@@ -65,8 +65,8 @@ class InferenceConfig(ServiceConfig):
                 f"torch_threads: must be 0..1024 (0 = torch default), got {self.torch_threads}")
         require(self.matmul_dtype in SETTING_DTYPES,
                 f"matmul_dtype: must be one of {'|'.join(SETTING_DTYPES)}, got {self.matmul_dtype!r}")
-        require(self.decode_attention in ATTENTION_CHOICES,
-                f"decode_attention: must be one of {'|'.join(ATTENTION_CHOICES)}, got {self.decode_attention!r}")
+        require(self.native_ops in NATIVE_OPS_CHOICES,
+                f"native_ops: must be one of {'|'.join(NATIVE_OPS_CHOICES)}, got {self.native_ops!r}")
         self.engine.validate()
         self.health.validate()
 

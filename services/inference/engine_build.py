@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from aiserve.model_facts import read_model_facts
-from services.inference import decode_attention
+from services.inference import native_ops
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
 from services.inference.grammar import Grammars
@@ -20,15 +20,14 @@ from services.inference.precision import Precision, choose_precision, read_cpu_f
 
 def machine_precision(config: InferenceConfig) -> Precision:
     """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo), and
-    its decode attention (loading our kernel where it is chosen; RuntimeError where the setting
-    asks for the kernel and it cannot run here)."""
+    whether it runs our CPU ops (loading them where chosen; ConfigError where the setting asks for
+    them and they cannot run here)."""
     flags = read_cpu_flags()
     precision = choose_precision(config.device, flags, config.dtype, config.matmul_dtype)
     if config.engine.kv_cache.kv_dtype == "int8":
         precision = dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
-    kernel, why = decode_attention.choose(config.decode_attention, torch.device(config.device), flags)
-    return dataclasses.replace(precision, attention=decode_attention.KERNEL if kernel else decode_attention.SDPA,
-                               attention_reason=why)
+    on, why = native_ops.choose(config.native_ops, torch.device(config.device), precision.weights, flags)
+    return dataclasses.replace(precision, native_ops=native_ops.ON if on else native_ops.OFF, native_ops_reason=why)
 
 
 def build_engine(config: InferenceConfig, folder: Path, precision: Precision | None = None) -> BatchEngine:
@@ -39,7 +38,7 @@ def build_engine(config: InferenceConfig, folder: Path, precision: Precision | N
     (torch_thread.py)."""
     precision = precision or machine_precision(config)
     model = LlamaModel.load(folder, config.device, TORCH_DTYPES[precision.weights], TORCH_DTYPES[precision.matmul],
-                            decode_kernel=precision.attention == decode_attention.KERNEL)
+                            native_ops=precision.native_ops == native_ops.ON)
     eos_ids = read_model_facts(folder).eos_token_ids
     grammars = Grammars(folder / "tokenizer.json", model.config.vocab_size, eos_ids)
     return BatchEngine(model, eos_ids, config.engine, grammars)

@@ -5,7 +5,7 @@ of ``N`` tokens, so the linear layers run once over all of them (decodes and pre
 together). Attention then runs in two kinds of groups (``ForwardBatch``):
 
 - one-token rows (decodes): one call over the cache view ``k[lo:hi, :, :L]`` of their slot
-  range: our CPU kernel (``decode_attention.py``), where each slot reads only its own keys, or
+  range: our CPU kernel (``native_ops.py``), where each slot reads only its own keys, or
   ``scaled_dot_product_attention`` with a mask for rows of different lengths;
 - multi-token rows (prefill chunks): one call each, causal from the row's first position.
 
@@ -107,10 +107,11 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device,
                  dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True,
-                 decode_kernel: bool = False) -> None:
+                 native_ops: bool = False) -> None:
         self.config, self.device, self.dtype = config, device, dtype
-        self.decode_kernel = decode_kernel and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
-        """Whether decode rows attend with our kernel (``decode_attention.py``; loaded by the caller)."""
+        self.native_ops = native_ops and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+        """Whether the forward runs our CPU ops (``native_ops.py``; loaded by the caller): the decode
+        attention, the residual adds with their RMSNorms, the rotary embedding."""
         self.matmul_dtype = matmul_dtype or dtype
         weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights)
         self.embed, self.lm_head, self.norm, self.layers = weights.embed, weights.lm_head, weights.norm, weights.layers
@@ -138,11 +139,11 @@ class LlamaModel:
     @classmethod
     def load(cls, folder: Path, device: torch.device | str, dtype: torch.dtype,
              matmul_dtype: torch.dtype | None = None, pack_weights: bool = True,
-             decode_kernel: bool = False) -> LlamaModel:
+             native_ops: bool = False) -> LlamaModel:
         """Read config.json and every *.safetensors of ``folder`` (copied off the file mapping).
         ``matmul_dtype`` None = ``dtype`` (the service passes precision.py's choice); ``pack_weights``: keep
-        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows; ``decode_kernel``:
-        decode rows attend with ``torch.ops.aiserve.decode_attention`` (loaded by the caller).
+        oneDNN-packed copies of the matmul weights where ``pack_weight`` allows; ``native_ops``:
+        run our CPU ops (``torch.ops.aiserve``, loaded by the caller) where torch's would run.
 
         A quantized version runs in the dtype it was quantized from, whatever ``dtype`` says:
         its weights compute in that dtype (torchao), and a float32 copy would undo the saving."""
@@ -151,7 +152,7 @@ class LlamaModel:
         if (qdtype := quantized_dtype(tensors)) is not None:
             dtype = matmul_dtype = qdtype
         device = torch.device(device)
-        return cls(config, tensors, device, dtype, matmul_dtype, pack_weights, decode_kernel)
+        return cls(config, tensors, device, dtype, matmul_dtype, pack_weights, native_ops)
 
     def forward(self, batch: ForwardBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,30 +164,49 @@ class LlamaModel:
         c = self.config
         n, d = batch.input_ids.shape[0], c.head_dim
         h = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
-        cos = self._cos[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D]
-        sin = self._signed_sin[batch.positions].to(self.dtype)[:, None, :]  # [N, 1, D], rotate_half's sign in
+        cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
+        sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
         wide = n >= _WIDE_MIN_ROWS
-        # SDPA turns a bool mask into an additive one on every call: once per step instead (the
-        # kernel reads single_lens instead)
-        single = None if batch.single_mask is None or self.decode_kernel else _additive(batch.single_mask, self.dtype)
+        # SDPA turns a bool mask into an additive one on every call: once per step instead (our
+        # decode attention reads single_lens instead)
+        single = None if batch.single_mask is None or self.native_ops else _additive(batch.single_mask, self.dtype)
         masks = _Masks(single, [_additive(span.mask, self.dtype) for span in batch.spans])
         scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
             else itertools.repeat((None, None))
+        delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
         for layer, kc, vc, (ks, vs) in zip(self.layers, k_cache, v_cache, scales, strict=False):
-            x = rms_norm(h, layer.ln_attn, c.rms_norm_eps)
+            h, x = self._add_norm(h, delta, layer.ln_attn)
             qkv = layer.qkv(x, wide)  # [N, (H + 2*KVH) * D]
             q, k, v = qkv.split([c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d], dim=-1)
-            q = _rotate(q.view(n, c.num_heads, d), cos, sin)  # [N, H, D]
-            k = _rotate(k.view(n, c.num_kv_heads, d), cos, sin)  # [N, KVH, D]
+            q = self._rotate(q.view(n, c.num_heads, d), cos, sin)  # [N, H, D]
+            k = self._rotate(k.view(n, c.num_kv_heads, d), cos, sin)  # [N, KVH, D]
             # Indexed assignment (index_put_) writes the scattered rows ~2x faster than index_copy_
             _store(kc, ks, batch.cache_rows, k.reshape(-1, d))
             _store(vc, vs, batch.cache_rows, v.reshape(-1, d))
-            h = h + layer.o(self._attention(q, _KV(kc, ks), _KV(vc, vs), batch, masks), wide)
-            x = rms_norm(h, layer.ln_mlp, c.rms_norm_eps)
+            h, x = self._add_norm(h, layer.o(self._attention(q, _KV(kc, ks), _KV(vc, vs), batch, masks), wide),
+                                  layer.ln_mlp)
             gate, up = layer.gate_up(x, wide).chunk(2, dim=-1)  # [N, I] each
-            h = h + layer.down(F.silu(gate) * up, wide)
+            delta = layer.down(F.silu(gate) * up, wide)
+        h = h if delta is None else h + delta
         last = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [R, hidden]
         return self.lm_head(last, last.shape[0] >= _WIDE_MIN_LOGIT_ROWS)  # [R, V]
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add ``h + delta`` (none when ``delta`` is None) and its RMSNorm: (h, normed).
+        Our op adds in place and normalises in one pass per row, with the same bf16 roundings."""
+        if self.native_ops:
+            return h, torch.ops.aiserve.rms_norm(h, delta, weight, self.config.rms_norm_eps)
+        h = h if delta is None else h + delta
+        return h, rms_norm(h, weight, self.config.rms_norm_eps)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of ``x [N, heads, D]`` (``cos``, ``sin``: [N, D]); our op rotates
+        the view in place (into the step's qkv product, which nothing else reads)."""
+        if self.native_ops:
+            torch.ops.aiserve.rotate_(x, cos, sin)
+            return x
+        return _rotate(x, cos[:, None, :], sin[:, None, :])
 
     def _attention(self, q: torch.Tensor, kc: _KV, vc: _KV, batch: ForwardBatch, masks: _Masks) -> torch.Tensor:
         """q: [N, H, D]; kc, vc: one layer's cache [S, KVH, T, D] (and int8 scales). Returns [N, H*D]."""
@@ -202,7 +222,7 @@ class LlamaModel:
                 qs = qs.view(hi - lo, kvh, g, d)
             else:  # a slot's drafts are more queries of its own: [hi-lo, KVH, w*G, D], (token, group)
                 qs = qs.view(hi - lo, w, kvh, g, d).transpose(1, 2).reshape(hi - lo, kvh, w * g, d)
-            if self.decode_kernel:  # each slot reads its own keys: no mask, int8 read as it is
+            if self.native_ops:  # each slot reads its own keys: no mask, int8 read as it is
                 assert batch.single_lens is not None
                 out = torch.ops.aiserve.decode_attention(
                     qs.contiguous(), kc.values[lo:hi, :, :length], vc.values[lo:hi, :, :length], batch.single_lens,

@@ -68,10 +68,10 @@ class Precision:
     """The flags of ``CPU_KINDS`` this CPU has (none on CUDA: the choice rests on none)."""
     reason: str
     """One line: why these dtypes."""
-    attention: str = "sdpa"
-    """What decode rows attend with: "kernel" (ours, ``decode_attention.py``) or "sdpa" (torch's)."""
-    attention_reason: str = ""
-    """One line: why that attention."""
+    native_ops: str = "off"
+    """Whether the forward runs our CPU ops ("on") or torch's ("off"): ``native_ops.py``."""
+    native_ops_reason: str = ""
+    """One line: why."""
 
 
 def machine_kind(device: str, cpu_flags: Set[str]) -> str:

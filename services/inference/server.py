@@ -43,16 +43,16 @@ def precision_to_pb(p: Precision) -> inference_pb2.InferencePrecision:
     """domain -> pb for Info and Stats."""
     return inference_pb2.InferencePrecision(weights_dtype=p.weights, matmul_dtype=p.matmul, kv_dtype=p.kv,
                                             cpu_kind=p.cpu, cpu_flags=p.cpu_flags, reason=p.reason,
-                                            attention=p.attention, attention_reason=p.attention_reason)
+                                            native_ops=p.native_ops, native_ops_reason=p.native_ops_reason)
 
 
 def export_precision(p: Precision, registry: CollectorRegistry) -> None:
-    """``aiserve_inference_precision{weights,matmul,kv,cpu,attention} 1``: the dtypes, the machine
-    kind and the decode attention, as an info-style gauge."""
+    """``aiserve_inference_precision{weights,matmul,kv,cpu,native_ops} 1``: the dtypes, the machine
+    kind and whether our CPU ops run, as an info-style gauge."""
     gauge = Gauge("aiserve_inference_precision",
-                  "1, labelled with the dtypes the model runs in, the machine kind and the decode attention",
-                  ["weights", "matmul", "kv", "cpu", "attention"], registry=registry)
-    gauge.labels(weights=p.weights, matmul=p.matmul, kv=p.kv, cpu=p.cpu, attention=p.attention).set(1)
+                  "1, labelled with the dtypes the model runs in, the machine kind and whether our CPU ops run",
+                  ["weights", "matmul", "kv", "cpu", "native_ops"], registry=registry)
+    gauge.labels(weights=p.weights, matmul=p.matmul, kv=p.kv, cpu=p.cpu, native_ops=p.native_ops).set(1)
 
 
 def stats_to_pb(s: EngineStats, max_num_seqs: int, rss: int, precision: Precision) -> inference_pb2.InferenceStats:
@@ -175,8 +175,8 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     log_startup("verified")
     precision = machine_precision(config)
     log.info("precision_chosen", cpu=precision.cpu, cpu_flags=list(precision.cpu_flags), weights=precision.weights,
-             matmul=precision.matmul, kv=precision.kv, reason=precision.reason, attention=precision.attention,
-             attention_reason=precision.attention_reason)
+             matmul=precision.matmul, kv=precision.kv, reason=precision.reason, native_ops=precision.native_ops,
+             native_ops_reason=precision.native_ops_reason)
     # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
     engine = await in_fresh_thread(lambda: build_engine(config, folder, precision), name="model-load")
     log_startup("loaded")
@@ -209,7 +209,7 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     plan = engine.cache.plan
     log.info("model_loaded", model=str(model.ref), device=model.device, dtype=precision.weights,
              matmul_dtype=precision.matmul, packed_weights=engine.model.packed_weights,
-             attention=precision.attention, attention_reason=precision.attention_reason,
+             native_ops=precision.native_ops, native_ops_reason=precision.native_ops_reason,
              max_num_seqs=engine.scheduler.capacity, max_seq_len=engine.scheduler.slot_len,
              kv_cache_bytes=engine.cache.total_bytes, kv_slots=plan.num_slots, kv_prefix_blocks=plan.num_blocks,
              kv_sized_from="kv_cache_bytes" if config.engine.kv_cache.kv_cache_bytes else "max_num_seqs")

@@ -14,7 +14,7 @@ BAD_VALUES: dict[str, object] = {
     "host": " ", "port": 70000, "metrics_port": -1, "log_level": "loud", "grace_s": 601.0, "announce_fd": -2,
     # the model and where it runs
     "model": "no-version", "device": "tpu", "dtype": "int8", "matmul_dtype": "float64", "torch_threads": -1,
-    "decode_attention": "flash",
+    "native_ops": "sometimes",
     # the scheduler
     "max_num_seqs": 0, "max_num_batched_tokens": 1 << 21, "max_queue": 0, "batch_wait_ms": -1.0,
     "num_speculative_tokens": 17, "speculative_max_step_tokens": -1,

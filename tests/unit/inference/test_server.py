@@ -137,10 +137,10 @@ async def test_the_precision_is_reported_by_info_stats_and_a_metric(handle: Serv
     assert (p.weights_dtype, p.matmul_dtype, p.kv_dtype) == ("float32", "float32", "float32")
     assert p.cpu_kind == machine_kind("cpu", flags) and set(p.cpu_flags) <= flags
     assert p.reason.startswith(p.cpu_kind + ": ") and "dtype=float32 set" in p.reason
-    # make builds the decode-attention kernel, and both CPU kinds we serve on have AVX2 + FMA
-    assert (p.attention, p.attention_reason) == ("kernel", "kernel: built for avx2+fma, CPU has them")
+    # make builds our CPU ops, and both CPU kinds we serve on have AVX2 + FMA
+    assert (p.native_ops, p.native_ops_reason) == ("on", "on: built for avx2+fma, CPU has them")
     assert stats.precision == p
-    labels = {"weights": "float32", "matmul": "float32", "kv": "float32", "cpu": p.cpu_kind, "attention": "kernel"}
+    labels = {"weights": "float32", "matmul": "float32", "kv": "float32", "cpu": p.cpu_kind, "native_ops": "on"}
     assert own_metric(handle, "aiserve_inference_precision", **labels) == 1
 
 
