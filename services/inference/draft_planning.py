@@ -6,8 +6,14 @@ spends the step's room on them. Pure Python (no torch, no grpc).
 
 from __future__ import annotations
 
-from services.inference.engine_config import SchedulerConfig
+from services.inference.engine_config import DRAFT_STEP_TOKENS, SchedulerConfig
 from services.inference.scheduler_output import ScheduledChunk
+
+
+def step_limit(config: SchedulerConfig) -> int:
+    """``speculative_max_step_tokens``, with -1 (not resolved for a machine) as ``DRAFT_STEP_TOKENS``."""
+    limit = config.speculative_max_step_tokens
+    return DRAFT_STEP_TOKENS if limit < 0 else limit
 
 
 def draft_room(config: SchedulerConfig, num_tokens: int) -> int:
@@ -16,13 +22,13 @@ def draft_room(config: SchedulerConfig, num_tokens: int) -> int:
     if not config.num_speculative_tokens:
         return 0
     left = config.max_num_batched_tokens - num_tokens
-    return max(0, min(left, config.speculative_max_step_tokens - num_tokens))
+    return max(0, min(left, step_limit(config) - num_tokens))
 
 
 def max_logit_rows(config: SchedulerConfig, num_slots: int) -> int:
     """The most logits rows one step asks for: one per sequence (at most ``num_slots``), and in a
     step that drafts, one per token of it (at most ``speculative_max_step_tokens``)."""
-    drafting = config.speculative_max_step_tokens if config.num_speculative_tokens else 0
+    drafting = step_limit(config) if config.num_speculative_tokens else 0
     return min(config.max_num_batched_tokens, max(num_slots, drafting))
 
 

@@ -12,6 +12,7 @@ from aiserve.model_facts import read_model_facts
 from services.inference import native_ops
 from services.inference.batch_engine import BatchEngine
 from services.inference.config import InferenceConfig
+from services.inference.engine_config import EngineConfig
 from services.inference.grammar import Grammars
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
@@ -41,4 +42,13 @@ def build_engine(config: InferenceConfig, folder: Path, precision: Precision | N
                             native_ops=precision.native_ops == native_ops.ON)
     eos_ids = read_model_facts(folder).eos_token_ids
     grammars = Grammars(folder / "tokenizer.json", model.config.vocab_size, eos_ids)
-    return BatchEngine(model, eos_ids, config.engine, grammars)
+    return BatchEngine(model, eos_ids, machine_engine_config(config, precision), grammars)
+
+
+def machine_engine_config(config: InferenceConfig, precision: Precision) -> EngineConfig:
+    """The engine's settings with "auto" (-1) resolved for this machine: ``speculative_max_step_tokens``."""
+    scheduler = config.engine.scheduler
+    if scheduler.speculative_max_step_tokens >= 0:
+        return config.engine
+    scheduler = dataclasses.replace(scheduler, speculative_max_step_tokens=precision.draft_step_tokens)
+    return dataclasses.replace(config.engine, scheduler=scheduler)

@@ -12,6 +12,10 @@ from dataclasses import dataclass, field
 
 from aiserve.common.config import require
 
+DRAFT_STEP_TOKENS = 32
+"""``speculative_max_step_tokens`` where it is -1 and nothing resolved it for a machine (an
+engine built straight from a config); the service resolves it (engine_build.py)."""
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
@@ -36,9 +40,11 @@ class SchedulerConfig:
     """Speculative decoding for greedy requests: draft tokens a sequence may add to a step, found
     by n-gram lookup in its own prompt and output and verified in the same forward (the output is
     unchanged); 0 disables it. 0..16."""
-    speculative_max_step_tokens: int = 32
+    speculative_max_step_tokens: int = -1
     """Drafts only fill a step up to this many tokens: a small step reads the weights anyway and
-    computes the drafts almost for free, a large one pays for each draft row. 0..1048576."""
+    computes the drafts almost for free, a large one pays for each draft row. -1 = chosen by the
+    machine (precision.draft_step_tokens: 32 where bf16 products are cheap at 32 rows, CUDA and
+    AMX; 8 elsewhere; ``DRAFT_STEP_TOKENS`` where nothing chose); 0..1048576 wins."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -51,8 +57,9 @@ class SchedulerConfig:
                 f"batch_wait_ms: must be 0..10000 ms, got {self.batch_wait_ms}")
         require(0 <= self.num_speculative_tokens <= 16,
                 f"num_speculative_tokens: must be 0..16, got {self.num_speculative_tokens}")
-        require(0 <= self.speculative_max_step_tokens <= 1 << 20,
-                f"speculative_max_step_tokens: must be 0..{1 << 20}, got {self.speculative_max_step_tokens}")
+        require(-1 <= self.speculative_max_step_tokens <= 1 << 20,
+                f"speculative_max_step_tokens: must be -1 (auto) or 0..{1 << 20}, "
+                f"got {self.speculative_max_step_tokens}")
 
 
 KV_DTYPES = ("auto", "int8")

@@ -38,12 +38,17 @@ class Rule:
     """16-bit models run their larger products on float32 copies of the weights."""
     why: str
     """The reason, for the start-up log and Info."""
+    draft_step_tokens: int = 8
+    """``speculative_max_step_tokens`` of "auto": how full a step drafts may make it. 32 where a
+    32-row step costs about what one row costs (the weights' read bounds it); 8 where the
+    products are compute-bound by 16 rows (drafts at 16 concurrent streams cost 8% of the
+    throughput on the avx512_bf16 EPYC)."""
 
 
 _EMULATED = "no bf16 instructions: bf16 products are emulated (4-6x slower at 64 rows), so float32 copies"
 POLICY: dict[str, Rule] = {
-    "cuda": Rule("bfloat16", False, "bf16 tensor cores; half the bytes of float32 read per token"),
-    "amx": Rule("bfloat16", False, "bf16 tile instructions: oneDNN-packed bf16 products, half the bytes read"),
+    "cuda": Rule("bfloat16", False, "bf16 tensor cores; half the bytes of float32 read per token", 32),
+    "amx": Rule("bfloat16", False, "bf16 tile instructions: oneDNN-packed bf16 products, half the bytes read", 32),
     "avx512_bf16": Rule("bfloat16", False, "bf16 dot-product instructions: oneDNN-packed bf16 products"),
     "avx512": Rule("bfloat16", True, _EMULATED),
     "avx2": Rule("bfloat16", True, _EMULATED),
@@ -72,6 +77,8 @@ class Precision:
     """Whether the forward runs our CPU ops ("on") or torch's ("off"): ``native_ops.py``."""
     native_ops_reason: str = ""
     """One line: why."""
+    draft_step_tokens: int = 8
+    """What "auto" (-1) means for ``speculative_max_step_tokens`` on this machine (``Rule``)."""
 
 
 def machine_kind(device: str, cpu_flags: Set[str]) -> str:
@@ -97,7 +104,7 @@ def choose_precision(device: str, cpu_flags: Set[str], dtype: str, matmul_dtype:
                 if value != AUTO]
     reason = f"{kind}: {rule.why}" + (f" ({', '.join(explicit)} set)" if explicit else "")
     flags = () if kind == "cuda" else tuple(flag for _, flag in CPU_KINDS if flag in cpu_flags)
-    return Precision(weights, matmul, weights, kind, flags, reason)
+    return Precision(weights, matmul, weights, kind, flags, reason, draft_step_tokens=rule.draft_step_tokens)
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:

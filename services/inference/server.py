@@ -176,7 +176,7 @@ async def create_server(config: InferenceConfig) -> ServiceHandle:
     precision = machine_precision(config)
     log.info("precision_chosen", cpu=precision.cpu, cpu_flags=list(precision.cpu_flags), weights=precision.weights,
              matmul=precision.matmul, kv=precision.kv, reason=precision.reason, native_ops=precision.native_ops,
-             native_ops_reason=precision.native_ops_reason)
+             native_ops_reason=precision.native_ops_reason, draft_step_tokens=precision.draft_step_tokens)
     # torch runs on one thread per process (torch_thread.py): load on a thread that then exits
     engine = await in_fresh_thread(lambda: build_engine(config, folder, precision), name="model-load")
     log_startup("loaded")

@@ -17,7 +17,7 @@ BAD_VALUES: dict[str, object] = {
     "native_ops": "sometimes",
     # the scheduler
     "max_num_seqs": 0, "max_num_batched_tokens": 1 << 21, "max_queue": 0, "batch_wait_ms": -1.0,
-    "num_speculative_tokens": 17, "speculative_max_step_tokens": -1,
+    "num_speculative_tokens": 17, "speculative_max_step_tokens": -2,
     # the KV cache
     "kv_cache_bytes": 1 << 19, "max_seq_len": 15, "prefix_cache_fraction": 0.95, "prefix_block_size": 0,
     "kv_dtype": "fp4", "refuse_long_above": 1.5, "long_context_tokens": 0,

@@ -9,7 +9,9 @@ import torch
 
 from aiserve.common.config import ConfigError, config_with, load_config
 from services.inference.config import InferenceConfig
-from services.inference.engine_config import KVCacheConfig
+from services.inference.draft_planning import step_limit
+from services.inference.engine_build import machine_engine_config
+from services.inference.engine_config import DRAFT_STEP_TOKENS, KVCacheConfig
 from services.inference.kv_cache import KVLayout, KVPlan
 from services.inference.precision import CPU_KINDS, POLICY, choose_precision, machine_kind, read_cpu_flags
 
@@ -63,6 +65,22 @@ def test_explicit_settings_win_over_auto(device: str, flags: frozenset[str], dty
     assert p.cpu == machine_kind(device, flags)  # the machine is still reported
     for name, value in (("dtype", dtype), ("matmul_dtype", matmul_dtype)):
         assert (f"{name}={value}" in p.reason) == (value != "auto")
+
+
+@pytest.mark.parametrize(("device", "flags", "tokens"), [
+    ("cuda", AVX2_EPYC, 32), ("cpu", AMX_XEON, 32),  # a 32-row step costs about one row's weight read
+    ("cpu", AVX512_BF16_EPYC, 8), ("cpu", AVX512_XEON, 8), ("cpu", AVX2_EPYC, 8), ("cpu", frozenset(), 8),
+])
+def test_how_full_drafts_may_make_a_step_follows_the_machine(device: str, flags: frozenset[str],
+                                                             tokens: int) -> None:
+    precision = choose_precision(device, flags, "auto", "auto")
+    assert precision.draft_step_tokens == tokens
+    auto = config_with(InferenceConfig)
+    assert auto.engine.scheduler.speculative_max_step_tokens == -1
+    assert machine_engine_config(auto, precision).scheduler.speculative_max_step_tokens == tokens
+    explicit = config_with(InferenceConfig, speculative_max_step_tokens=16)
+    assert machine_engine_config(explicit, precision) == explicit.engine  # a number set wins
+    assert step_limit(auto.engine.scheduler) == DRAFT_STEP_TOKENS  # unresolved: the old default
 
 
 def test_the_policy_has_one_row_per_kind() -> None:
