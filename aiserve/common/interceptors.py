@@ -225,5 +225,8 @@ def downstream_channel(address: str) -> aio.Channel:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
+        # No bandwidth-delay probing: its pings only size windows for long fat links, and here
+        # they would count against the backend's ping limit (aiserve/common/server.py).
+        ("grpc.http2.bdp_probe", 0),
     ]
     return aio.insecure_channel(address, options=options, interceptors=forward_context_interceptors())

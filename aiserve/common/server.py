@@ -40,10 +40,13 @@ _OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
-    # Permit the gateway's keepalive pings (aiserve/common/interceptors.py), calls or not; a
-    # ping more often than every 5 s would still be refused.
+    # Permit the gateway's keepalive pings (aiserve/common/interceptors.py, every 10 s), calls or
+    # not. A ping within 1 s of the last is a strike and the third strike closes the connection
+    # ("too_many_pings"). With 5 s, a fresh-clone test run once lost the gateway's tokenizer
+    # connection that way while the machine was loaded (timers firing late bunch two pings);
+    # 1 s leaves a 10x margin and still refuses a client that pings in a loop.
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 2),
 ]
 
