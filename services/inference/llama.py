@@ -39,6 +39,7 @@ from services.inference.cpu_kernels import build_kernels
 from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
 from services.inference.llama_weights import build_weights, quantized_dtype, read_tensors
+from services.inference.native_ops import unsupported
 
 # Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
 _WIDE_MIN_ROWS = 4
@@ -109,9 +110,11 @@ class LlamaModel:
                  dtype: torch.dtype, matmul_dtype: torch.dtype | None = None, pack_weights: bool = True,
                  native_ops: bool = False) -> None:
         self.config, self.device, self.dtype = config, device, dtype
-        self.native_ops = native_ops and device.type == "cpu" and dtype in (torch.bfloat16, torch.float32)
+        self.native_ops = native_ops and unsupported(device, str(dtype).removeprefix("torch.")) is None
         """Whether the forward runs our CPU ops (``native_ops.py``; loaded by the caller): the decode
-        attention, the residual adds with their RMSNorms, the rotary embedding."""
+        attention, the residual adds with their RMSNorms, the rotary embedding. Asked for where
+        they cannot run (a quantized version's dtype, a model loaded directly on another device),
+        the forward keeps torch's: ``native_ops.unsupported`` is the one check."""
         self.matmul_dtype = matmul_dtype or dtype
         weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights)
         self.embed, self.lm_head, self.norm, self.layers = weights.embed, weights.lm_head, weights.norm, weights.layers
@@ -169,6 +172,8 @@ class LlamaModel:
         wide = n >= _WIDE_MIN_ROWS
         # SDPA turns a bool mask into an additive one on every call: once per step instead (our
         # decode attention reads single_lens instead)
+        if batch.num_single and not self.native_ops and batch.single_mask is None:
+            raise ValueError("batch: built without single_mask, which SDPA's decode attention reads")
         single = None if batch.single_mask is None or self.native_ops else _additive(batch.single_mask, self.dtype)
         masks = _Masks(single, [_additive(span.mask, self.dtype) for span in batch.spans])
         scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
@@ -223,7 +228,8 @@ class LlamaModel:
             else:  # a slot's drafts are more queries of its own: [hi-lo, KVH, w*G, D], (token, group)
                 qs = qs.view(hi - lo, w, kvh, g, d).transpose(1, 2).reshape(hi - lo, kvh, w * g, d)
             if self.native_ops:  # each slot reads its own keys: no mask, int8 read as it is
-                assert batch.single_lens is not None
+                if batch.single_lens is None:
+                    raise ValueError("batch: built without single_lens, which our decode attention reads")
                 out = torch.ops.aiserve.decode_attention(
                     qs.contiguous(), kc.values[lo:hi, :, :length], vc.values[lo:hi, :, :length], batch.single_lens,
                     scale, kc.scale_view(lo, hi, length), vc.scale_view(lo, hi, length))

@@ -101,21 +101,32 @@ def load() -> bool:
     return True
 
 
+RUN_DTYPES = ("bfloat16", "float32")
+"""The activation dtypes the ops are written for."""
+
+
+def unsupported(device: torch.device, dtype: str) -> str | None:
+    """Why the ops cannot run a model on ``device`` whose activations are ``dtype`` (a dtype
+    name), or None when they can. The one check both ``choose`` and the model (llama.py) apply."""
+    if device.type != "cpu":
+        return f"the model runs on {device.type}"
+    if dtype not in RUN_DTYPES:
+        return f"they run {' and '.join(RUN_DTYPES)}, not {dtype}"
+    return None
+
+
 def choose(setting: str, device: torch.device, dtype: str, cpu_flags: frozenset[str]) -> tuple[bool, str]:
     """Whether the forward uses our ops, and why (one line for the start log and ``Info``), for a
     model on ``device`` whose activations are ``dtype`` (a dtype name). Raises ConfigError when
     ``setting`` is "on" and they cannot run here."""
     if setting == OFF:
         return False, "off: native_ops=off set"
-    if device.type != "cpu":
-        reason = f"the model runs on {device.type}"
-    elif dtype not in ("bfloat16", "float32"):
-        reason = f"they run bfloat16 and float32, not {dtype}"
-    elif not NEEDS_CPU_FLAGS <= cpu_flags:
+    reason = unsupported(device, dtype)
+    if reason is None and not NEEDS_CPU_FLAGS <= cpu_flags:
         reason = f"this CPU lacks {' and '.join(sorted(NEEDS_CPU_FLAGS - cpu_flags))}"
-    elif not load():
+    if reason is None and not load():
         reason = f"they are not built ({library_path().name}; python -m services.inference.native_ops)"
-    else:
+    if reason is None:
         return True, "on: built for avx2+fma, CPU has them"
     if setting == ON:
         raise ConfigError(f"native_ops: on asked for, but {reason}")

@@ -112,7 +112,8 @@ class ModelRunner:
 
     def _run(self, output: SchedulerOutput, sampling: Mapping[Seq, RowSampling]) -> list[Picked]:
         rows = [BatchRow(c.slot, c.start, c.token_ids, c.is_sampled, c.num_drafts) for c in output.chunks]
-        batch = build_batch(rows, self.model.config, self.cache.plan.slot_len, self.model.device)
+        batch = build_batch(rows, self.model.config, self.cache.plan.slot_len, self.model.device,
+                            native_ops=self.model.native_ops)
         cache = self.cache
         # [R, V]; 1 + drafts per chunk
         logits = self.model.forward(batch, cache.k, cache.v, cache.k_scale, cache.v_scale)
@@ -173,10 +174,13 @@ class ModelRunner:
 
 
 def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
-                device: torch.device) -> ForwardBatch:
+                device: torch.device, *, native_ops: bool | None = None) -> ForwardBatch:
     """Rows -> the device tensors of one forward. Decode rows (one token, maybe with drafts) go
     first, sorted by slot, so they form one attention call; prefill chunks follow, one span
-    each. Logits come back in ``rows`` order (a drafted row's ``1 + num_drafts`` in a run)."""
+    each. Logits come back in ``rows`` order (a drafted row's ``1 + num_drafts`` in a run).
+
+    ``native_ops``: the decode rows' attention runs our op, which reads ``single_lens`` (True),
+    or torch's SDPA, which reads ``single_mask`` (False); None builds both (a batch for either)."""
     singles = sorted((i for i, r in enumerate(rows) if r.is_decode), key=lambda i: rows[i].slot)
     order = singles + [i for i, r in enumerate(rows) if not r.is_decode]
     ids: list[int] = []
@@ -196,7 +200,8 @@ def build_batch(rows: Sequence[BatchRow], config: LlamaConfig, slot_len: int,
     cache_rows = (slot_t[:, None] * config.num_kv_heads + heads) * slot_len + pos_t[:, None]  # [N, KVH]
     logits_rows = [j for i, r in enumerate(rows) if r.needs_logits
                    for j in range(first[i] + len(r.token_ids) - 1 - r.num_drafts, first[i] + len(r.token_ids))]
-    decode = _decode_rows([rows[i] for i in singles], config.num_groups, device)
+    decode = _decode_rows([rows[i] for i in singles], config.num_groups, device,
+                          mask=native_ops is not True, lens=native_ops is not False)
     spans = tuple(_span(first[i], rows[i], config.num_groups, device) for i in order[len(singles):])
     return ForwardBatch(
         torch.tensor(ids, device=device), pos_t.to(device), cache_rows.reshape(-1).to(device),
@@ -215,8 +220,10 @@ class _DecodeRows:
     width: int = 1
 
 
-def _decode_rows(rows: Sequence[BatchRow], num_groups: int, device: torch.device) -> _DecodeRows:
-    """Slot range [lo, hi), keys read, grid index and mask of the decode rows (sorted by slot).
+def _decode_rows(rows: Sequence[BatchRow], num_groups: int, device: torch.device, *, mask: bool = True,
+                 lens: bool = True) -> _DecodeRows:
+    """Slot range [lo, hi), keys read, grid index and mask of the decode rows (sorted by slot);
+    the bool ``mask`` (SDPA's) and the per-query ``lens`` (our op's) only where asked for.
 
     The attention call sees a grid of ``width`` (the most tokens in a row) queries per slot of
     [lo, hi); the index places each token in it (None when every slot has one token). A query
@@ -230,16 +237,18 @@ def _decode_rows(rows: Sequence[BatchRow], num_groups: int, device: torch.device
     context = torch.ones(hi - lo, width, dtype=torch.long)  # [hi-lo, width]
     places = [(r.slot - lo) * width + j for r in rows for j in range(len(r.token_ids))]
     context.view(-1)[places] = torch.tensor([r.start + j + 1 for r in rows for j in range(len(r.token_ids))])
-    visible = torch.arange(length) < context[..., None]  # [hi-lo, width, L]
-    if width == 1:
-        mask = visible[:, None]  # [hi-lo, 1, 1, L]: the same for every group
-    else:  # queries are (token, group) in that order: [hi-lo, 1, width*G, L]
-        mask = visible.repeat_interleave(num_groups, dim=1)[:, None]
-    index = None
+    bool_mask = query_lens = index = None
+    if mask:
+        visible = torch.arange(length) < context[..., None]  # [hi-lo, width, L]
+        if width == 1:
+            bool_mask = visible[:, None].to(device)  # [hi-lo, 1, 1, L]: the same for every group
+        else:  # queries are (token, group) in that order: [hi-lo, 1, width*G, L]
+            bool_mask = visible.repeat_interleave(num_groups, dim=1)[:, None].to(device)
+    if lens:  # [hi-lo, width*G], (token, group)
+        query_lens = context.repeat_interleave(num_groups, dim=1).to(torch.int32).to(device)
     if len(places) != hi - lo or width != 1:
         index = torch.tensor(places, device=device)
-    lens = context.repeat_interleave(num_groups, dim=1).to(torch.int32)  # [hi-lo, width*G], (token, group)
-    return _DecodeRows(lo, hi, length, index, mask.to(device), lens.to(device), width)
+    return _DecodeRows(lo, hi, length, index, bool_mask, query_lens, width)
 
 
 def _span(first: int, row: BatchRow, num_groups: int, device: torch.device) -> PrefillSpan:

@@ -158,6 +158,33 @@ def test_in_bf16_our_ops_are_at_least_as_close_to_float32(model_dir: Path) -> No
     assert agree[1] >= agree[0]
 
 
+def test_a_batch_carries_only_what_its_attention_reads(model_dir: Path) -> None:
+    """Built for our op, a step has the per-query lengths and no bool mask (nor its copy to the
+    device); built for SDPA, the reverse; a forward given the wrong one says what is missing."""
+    rows = [BatchRow(0, 20, [5, 40, 41], True, 2), BatchRow(2, 7, [9], True)]
+    config = LlamaModel.load(model_dir, CPU, torch.float32).config
+    ours, sdpa, both = (build_batch(rows, config, 64, CPU, native_ops=native) for native in (True, False, None))
+    assert ours.single_mask is None and ours.single_lens is not None
+    assert sdpa.single_lens is None and sdpa.single_mask is not None
+    assert both.single_mask is not None and both.single_lens is not None
+    assert torch.equal(ours.single_lens, both.single_lens) and torch.equal(sdpa.single_mask, both.single_mask)
+    shape = (config.num_layers, 3, config.num_kv_heads, 64, config.head_dim)
+    k, v = torch.zeros(shape), torch.zeros(shape)
+    for native, batch, missing in ((True, sdpa, "single_lens"), (False, ours, "single_mask")):
+        model = LlamaModel.load(model_dir, CPU, torch.float32, native_ops=native)
+        with torch.inference_mode(), pytest.raises(ValueError, match=f"built without {missing}"):
+            model.forward(batch, k, v)
+
+
+def test_the_model_applies_the_same_check_as_the_choice(model_dir: Path) -> None:
+    """Asked for our ops in a dtype they do not run, a model keeps torch's, for the reason
+    ``choose`` gives."""
+    assert native_ops.unsupported(CPU, "float16") == "they run bfloat16 and float32, not float16"
+    assert native_ops.unsupported(CPU, "bfloat16") is None
+    assert LlamaModel.load(model_dir, CPU, torch.bfloat16, native_ops=True).native_ops
+    assert not LlamaModel.load(model_dir, CPU, torch.float16, native_ops=True).native_ops
+
+
 def test_the_setting_and_the_machine_choose_them() -> None:
     assert native_ops.choose("auto", CPU, "bfloat16", FLAGS) == (True, "on: built for avx2+fma, CPU has them")
     assert native_ops.choose("on", CPU, "float32", FLAGS)[0]
