@@ -26,6 +26,7 @@ SECTIONS: tuple[tuple[str, str, str], ...] = (
     ("Cold start", "cold_start.json", "cold_start.png"),
     ("HTTP", "http.json", "http.png"),
     ("Structured output and log-probabilities", "constrained.json", "constrained.png"),
+    ("`make bench`: its own duration", "bench_duration.json", "bench_duration.png"),
 )
 
 NOT_MEASURED = "not measured in this run"

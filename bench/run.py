@@ -4,7 +4,16 @@ cold start (bench/cold_start.py), then the HTTP door against gRPC (bench/http_be
 constrained decoding and log-probabilities against free text (bench/constrained_bench.py), then
 weight quantization (bench/quant_bench.py), the int8 KV cache (bench/kv_bench.py) and the
 semantic cache (bench/cache_bench.py). Ends with bench/results/report.md (bench/report.py): whatever
-JSON the benchmarks left, the machine named."""
+JSON the benchmarks left, the machine named.
+
+The bench times itself: bench/results/bench_duration.json has each benchmark's seconds and the
+total, against the 15 minutes a working session can give it (docs/benchmarks.md)."""
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from bench import (
     cache_bench,
@@ -18,10 +27,57 @@ from bench import (
     report,
 )
 
+BUDGET_S = 15 * 60
+"""What ``make bench`` may take on either CPU kind."""
+
+PARTS: Sequence[tuple[str, Callable[[], int | None]]] = (
+    ("engine", engine_bench.main),
+    ("fleet", lambda: fleet_bench.main([])),
+    ("cold_start", lambda: cold_start.main([])),
+    ("http", lambda: http_bench.main([])),
+    ("constrained", lambda: constrained_bench.main([])),
+    ("quant", lambda: quant_bench.main([])),
+    ("kv_cache", lambda: kv_bench.main([])),
+    ("cache", lambda: cache_bench.main([])),
+)
+
+
+def plot(duration: dict[str, Any], path: Path) -> None:
+    """Each benchmark's seconds, stacked into one bar against the budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 2.6))
+    left = 0.0
+    for name, seconds in duration["parts_s"].items():
+        ax.barh(["make bench"], [seconds], left=left, label=f"{name} {seconds:.0f} s")
+        left += seconds
+    ax.axvline(duration["budget_s"], color="red", linestyle="--", label=f"budget {duration['budget_s']} s")
+    ax.set(xlabel="seconds", title=f"make bench: {duration['total_s']:.0f} s on {duration['machine']['cpu']}")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.35))
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
 
 def main() -> int:
-    rc = (engine_bench.main() or fleet_bench.main([]) or cold_start.main([]) or http_bench.main([])
-          or constrained_bench.main([]) or quant_bench.main([]) or kv_bench.main([]) or cache_bench.main([]))
+    """Runs the benchmarks in turn, stopping at the first that fails; the report and the
+    durations are written either way."""
+    rc, seconds = 0, dict[str, float]()
+    for name, run in PARTS:
+        started = time.perf_counter()
+        rc = run() or 0
+        seconds[name] = round(time.perf_counter() - started, 1)
+        if rc:
+            break
+    total = round(sum(seconds.values()), 1)
+    duration = {"machine": report.machine(), "parts_s": seconds, "total_s": total, "budget_s": BUDGET_S,
+                "within_budget": total <= BUDGET_S, "complete": rc == 0}
+    report.RESULTS.mkdir(parents=True, exist_ok=True)
+    (report.RESULTS / "bench_duration.json").write_text(json.dumps(duration, indent=2) + "\n")
+    plot(duration, report.RESULTS / "bench_duration.png")
+    print(f"make bench: {total:.0f} s ({'within' if total <= BUDGET_S else 'OVER'} the {BUDGET_S} s budget)")
     report.main()
     return rc
 
