@@ -80,6 +80,10 @@ class IndexParams:
     """hnsw: candidate list size while inserting, 8..1024."""
     hnsw_ef_search: int = 64
     """hnsw: candidate list size while searching, 8..1024 (higher: better recall, slower)."""
+    index_build_threads: int = 0
+    """faiss's OpenMP threads while the index is rebuilt from the record as the cache opens
+    (0: every CPU this process may use). Nothing is served yet then, so the build takes the
+    cores; searches run on ``index_threads`` (CacheConfig) afterwards."""
 
     def validate(self) -> None:
         """Raise ConfigError naming the first setting out of range and its limit."""
@@ -88,3 +92,5 @@ class IndexParams:
         require(8 <= self.hnsw_ef_construction <= 1024,
                 f"hnsw_ef_construction: must be 8..1024, got {self.hnsw_ef_construction}")
         require(8 <= self.hnsw_ef_search <= 1024, f"hnsw_ef_search: must be 8..1024, got {self.hnsw_ef_search}")
+        require(0 <= self.index_build_threads <= 256,
+                f"index_build_threads: must be 0..256, got {self.index_build_threads}")

@@ -34,7 +34,7 @@ class CacheConfig(ServiceConfig):
     ``candidates``."""
     index: IndexParams = field(default_factory=IndexParams)
     """How the vector index is built: ``index_kind``, ``hnsw_m``, ``hnsw_ef_construction``,
-    ``hnsw_ef_search``."""
+    ``hnsw_ef_search``, ``index_build_threads``."""
     embedding_device: str = "cpu"
     """torch device of the embedding model."""
     embedding_threads: int = 1

@@ -20,7 +20,8 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
@@ -52,6 +53,18 @@ class VectorIndex:
 
     def __len__(self) -> int:
         return len(self._where)
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        """faiss on ``params.index_build_threads`` OpenMP threads (0: every CPU this process may
+        use) while inside, then back to what it was: HNSW inserts a batch in parallel, searches
+        are fastest on one thread (docs/cache.md)."""
+        before = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.params.index_build_threads or len(os.sched_getaffinity(0)))
+        try:
+            yield
+        finally:
+            faiss.omp_set_num_threads(before)
 
     def _new_index(self) -> faiss.IndexIDMap2:
         inner: faiss.Index

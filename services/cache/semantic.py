@@ -87,16 +87,18 @@ class SemanticCache:
         return source
 
     def _rebuild_index(self) -> None:
-        """Fill the index from the embeddings stored in the record (no re-embedding)."""
+        """Fill the index from the embeddings stored in the record (no re-embedding), on every
+        core the index may build with (nothing is served while the cache opens)."""
         self._index.clear()
-        for rows in self.record.vectors():
-            by_space: dict[bytes, list[tuple[int, bytes]]] = {}
-            for id_, namespace, blob in rows:
-                by_space.setdefault(namespace, []).append((id_, blob))
-            for namespace, items in by_space.items():
-                ids = np.fromiter((i for i, _ in items), np.int64, len(items))
-                vectors = np.frombuffer(b"".join(b for _, b in items), np.float32).reshape(len(items), -1)
-                self._index.add(namespace, ids, vectors)
+        with self._index.building():
+            for rows in self.record.vectors():
+                by_space: dict[bytes, list[tuple[int, bytes]]] = {}
+                for id_, namespace, blob in rows:
+                    by_space.setdefault(namespace, []).append((id_, blob))
+                for namespace, items in by_space.items():
+                    ids = np.fromiter((i for i, _ in items), np.int64, len(items))
+                    vectors = np.frombuffer(b"".join(b for _, b in items), np.float32).reshape(len(items), -1)
+                    self._index.add(namespace, ids, vectors)
 
     @property
     def num_entries(self) -> int:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
+import faiss
 import numpy as np
 import numpy.typing as npt
 import pytest
@@ -81,3 +83,16 @@ def test_snapshot_round_trip_and_refusals(index: VectorIndex, tmp_path: Path) ->
 def test_an_unknown_index_kind_is_refused() -> None:
     with pytest.raises(ConfigError, match="^index_kind:"):
         VectorIndex(DIM, IndexParams(index_kind="ivf"))
+
+
+@pytest.mark.parametrize("threads", [0, 1, 2])
+def test_a_build_runs_on_its_threads_and_searches_go_back_to_theirs(threads: int) -> None:
+    index = VectorIndex(DIM, IndexParams(index_kind="hnsw", index_build_threads=threads))
+    faiss.omp_set_num_threads(1)
+    seen = []
+    with index.building():
+        seen.append(faiss.omp_get_max_threads())
+        index.add(b"ns", np.arange(4, dtype=np.int64), unit(np.random.default_rng(0), 4))
+    assert seen == [threads or len(os.sched_getaffinity(0))]
+    assert faiss.omp_get_max_threads() == 1
+    assert len(index) == 4
