@@ -140,3 +140,32 @@ def test_different_seeds_differ() -> None:
 def test_out_of_range_parameters_name_the_field(params: SamplingParams, field: str) -> None:
     with pytest.raises(InvalidArgument, match=field):
         params.validate(vocab_size=49152)
+
+
+def test_drawing_among_the_best_ids_picks_what_sorting_the_whole_row_picks() -> None:
+    """Rows of a 5,000-id vocabulary, peaked and flat, under each cut: the draw decided among
+    the CANDIDATES best ids (or sorted where it falls past them) is the sorted draw's, uniform
+    for uniform, and both paths are taken."""
+    from services.inference.sampler import CANDIDATES, _draw_from_best, _draw_sorted, _sample_rows
+
+    rng = torch.Generator().manual_seed(7)
+    vocab, n = 5000, 64
+    peaked = torch.randn(n, vocab, generator=rng) * 4
+    flat = torch.randn(n, vocab, generator=rng) * 0.1
+    cuts = [SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_p=0.9),
+            SamplingParams(temperature=1.2, top_k=40), SamplingParams(temperature=0.7, top_k=CANDIDATES + 100),
+            SamplingParams(temperature=2.0, top_p=0.5, top_k=1000)]
+    for logits in (peaked, flat):
+        for cut in cuts:
+            rows = [SamplingParams(cut.temperature, cut.top_p, cut.top_k, seed=i) for i in range(n)]
+            picked = _sample_rows(logits, rows, [new_generator(p, CPU) for p in rows])
+            uniform = torch.cat([torch.rand(1, generator=new_generator(p, CPU)) for p in rows])
+            scaled = logits / cut.temperature
+            top_k = torch.full((n,), cut.top_k or vocab)
+            top_p = torch.full((n,), cut.top_p)
+            assert picked.tolist() == _draw_sorted(scaled, top_k, top_p, uniform).tolist(), cut
+    # both paths: peaked rows are decided among their best ids, flat ones mostly are not
+    top_k, top_p = torch.full((n,), vocab), torch.ones(n)
+    uniform = torch.rand(n, generator=rng)
+    assert bool(_draw_from_best(peaked / 0.8, CANDIDATES, top_k, top_p, uniform)[1].float().mean() > 0.9)
+    assert not bool(_draw_from_best(flat, CANDIDATES, top_k, top_p, uniform)[1].all())
