@@ -234,8 +234,11 @@ async def test_a_version_that_fails_verification_never_gets_traffic(fleet: Suite
 
 
 async def test_a_slower_canary_is_rolled_back_by_the_gateway_within_two_judgements(judged: Suite) -> None:
-    # The same weights, but every engine step of the canary waits 100 ms (a test setting).
-    await rollout_start(start_request(judged, CANARY, 50, AISERVE_INFERENCE_STEP_DELAY_MS="100"), io.StringIO())
+    # The same weights, but every engine step of the canary waits 300 ms (a test setting): clearly
+    # past the judge's 1.5x + 10 ms of the stable's TPOT p95, which on two shared cores under these
+    # 30 concurrent requests was 93 ms in a passing run (with a 100 ms wait a fresh-clone CI run
+    # once saw no rollback: the canary's 185 ms is only just past 1.5 x 93 + 10).
+    await rollout_start(start_request(judged, CANARY, 50, AISERVE_INFERENCE_STEP_DELAY_MS="300"), io.StringIO())
     counts = await answered_by(judged, 30, max_new_tokens=8, sessions=True)  # enough of each side to judge
     sent = time.monotonic()
     assert counts[CANARY] >= 5 or (await routes(judged))[CANARY].weight == 0, counts
