@@ -107,7 +107,8 @@ RUN_DTYPES = ("bfloat16", "float32")
 
 def unsupported(device: torch.device, dtype: str) -> str | None:
     """Why the ops cannot run a model on ``device`` whose activations are ``dtype`` (a dtype
-    name), or None when they can. The one check both ``choose`` and the model (llama.py) apply."""
+    name), or None when they can. The one check both ``choose`` and the model apply
+    (services/inference/llama.py)."""
     if device.type != "cpu":
         return f"the model runs on {device.type}"
     if dtype not in RUN_DTYPES:
