@@ -138,15 +138,12 @@ def _draw_from_best(scaled: torch.Tensor, width: int, top_k: torch.Tensor, top_p
                     uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The draw among each row's ``width`` best ids (``width`` >= every row's top_k): ids [R]
     and whether the row's draw was decided there [R] (where not, its id is meaningless)."""
-    vocab = scaled.shape[1]
     best, best_ids = torch.topk(scaled, width, dim=-1)  # [R, W], descending
-    ranks = torch.arange(width, device=scaled.device)
-    best = best.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-    cut = top_k < vocab  # top-k cut the row: it is normalised over its k best, all held here
+    best = _cut_top_k(best, top_k)
+    cut = top_k < scaled.shape[1]  # top-k cut the row: it is normalised over its k best, all held here
     norm = torch.where(cut, torch.logsumexp(best, dim=-1), torch.logsumexp(scaled, dim=-1))  # [R]
-    probs = torch.exp(best - norm[:, None])  # the first W of the sorted row's probabilities
-    held = torch.cumsum(probs, dim=-1)
-    probs = probs.masked_fill(held - probs >= top_p[:, None], 0.0)  # the nucleus, as in the sort
+    # the first W of the sorted row's probabilities, the nucleus cut as in the sort
+    probs, held = _nucleus(torch.exp(best - norm[:, None]), top_p)
     cdf = torch.cumsum(probs, dim=-1)  # [R, W]
     # The kept ids all lie here when top-k cut the row or the nucleus closed inside; then the
     # draw is scaled to what they hold. Otherwise only a row without top-p knows its total (1):
@@ -154,28 +151,37 @@ def _draw_from_best(scaled: torch.Tensor, width: int, top_k: torch.Tensor, top_p
     closed = cut | (held[:, -1] >= top_p)
     target = torch.where(closed, uniform * cdf[:, -1], uniform)
     inside = closed | ((top_p >= 1.0) & (target < cdf[:, -1]))
-    rank = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=width - 1)
-    # Float rounding can land on a zero-probability id; fall back to the best id then.
-    rank = torch.where(probs.gather(1, rank) > 0, rank, torch.zeros_like(rank))
-    return best_ids.gather(1, rank).squeeze(1), inside
+    return _pick(probs, best_ids, cdf, target), inside
 
 
 def _draw_sorted(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  uniform: torch.Tensor) -> torch.Tensor:
     """The same draw over each row's whole vocabulary, sorted: ids [R]."""
-    vocab = scaled.shape[1]
     sorted_logits, sorted_ids = torch.sort(scaled, dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=scaled.device)  # [V]
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)  # [R, V], descending
-    # Nucleus: drop an id when the ids ranked above it already hold top_p; rank 0 always stays.
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    probs = probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    probs, _ = _nucleus(torch.softmax(_cut_top_k(sorted_logits, top_k), dim=-1), top_p)  # [R, V], descending
     cdf = torch.cumsum(probs, dim=-1)  # [R, V], unnormalised
-    target = uniform * cdf[:, -1]
-    rank = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=vocab - 1)
+    return _pick(probs, sorted_ids, cdf, uniform * cdf[:, -1])
+
+
+def _cut_top_k(ranked: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """``ranked`` [R, W] (logits, best first) with every rank past the row's top_k at -inf."""
+    ranks = torch.arange(ranked.shape[1], device=ranked.device)
+    return ranked.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``probs`` [R, W] (best first) less each id that the ids ranked above it already hold
+    top_p of (rank 0 always stays), and the running mass of ``probs`` before the cut."""
+    held = torch.cumsum(probs, dim=-1)
+    return probs.masked_fill(held - probs >= top_p[:, None], 0.0), held
+
+
+def _pick(probs: torch.Tensor, ids: torch.Tensor, cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The inverse-CDF draw: per row, the id of the first rank whose ``cdf`` passes ``target``."""
+    rank = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=cdf.shape[1] - 1)
+    # Float rounding can land on a zero-probability id; fall back to the best id then.
     rank = torch.where(probs.gather(1, rank) > 0, rank, torch.zeros_like(rank))
-    return sorted_ids.gather(1, rank).squeeze(1)
+    return ids.gather(1, rank).squeeze(1)
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
