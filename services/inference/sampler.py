@@ -141,7 +141,9 @@ def _draw_from_best(scaled: torch.Tensor, width: int, top_k: torch.Tensor, top_p
     best, best_ids = torch.topk(scaled, width, dim=-1)  # [R, W], descending
     best = _cut_top_k(best, top_k)
     cut = top_k < scaled.shape[1]  # top-k cut the row: it is normalised over its k best, all held here
-    norm = torch.where(cut, torch.logsumexp(best, dim=-1), torch.logsumexp(scaled, dim=-1))  # [R]
+    norm = torch.logsumexp(best, dim=-1)  # [R]
+    if not bool(cut.all()):  # the other rows are normalised over the whole row (a pass over [R, V])
+        norm = torch.where(cut, norm, torch.logsumexp(scaled, dim=-1))
     # the first W of the sorted row's probabilities, the nucleus cut as in the sort
     probs, held = _nucleus(torch.exp(best - norm[:, None]), top_p)
     cdf = torch.cumsum(probs, dim=-1)  # [R, W]
