@@ -16,6 +16,8 @@ side in turn so a slow minute of the VM hits both:
 (b) one request alone (``--alone`` of them, one after the other, as a rate);
 (c) the mixed workload of the engine bench (48 arrivals over 6 s, max_new 16-256, 16 at a time).
 
+Each side is timed with the other one stopped (SIGSTOP, then SIGCONT and SERVING again before the
+next run): an idle server's wake-ups take cores from the one being measured (``paused``).
 Greedy and streaming on both sides; aiserve's semantic cache is bypassed. Tokens are the
 completion tokens each server reports. Writes bench/results/peers.json and peers.png, with the
 CPU (model, flags, cores) and both sides' settings.
@@ -24,11 +26,15 @@ CPU (model, flags, cores) and both sides' settings.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
+import signal
 import socket
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -121,18 +127,55 @@ def default_vllm_configs() -> list[str]:
     return ["float32:eager", *(["bfloat16:compile"] if flags & {"avx512_bf16", "amx_bf16"} else [])]
 
 
+@contextmanager
+def paused(groups: Sequence[int]) -> Iterator[None]:
+    """The process groups ``groups`` stopped (SIGSTOP) for the block, continued after it.
+
+    Each side is measured with the other one stopped: an idle server is not free. Idle, vLLM's
+    processes wake ~1,300 times a second (26,000 context switches in 20 s, 0.23 CPU-s; aiserve's
+    suite 1,100 and 0.23), and every wake-up takes a core from a model thread of the side being
+    measured: with vLLM idle beside it, aiserve at 64 streams made 552-565 tokens/s instead of
+    606-651 (same machine, same hour; docs/decisions.md, decision 77)."""
+    for group in groups:
+        os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for group in groups:
+            os.killpg(group, signal.SIGCONT)
+
+
 async def compare(served: Served, server: VllmServer, workloads: Mapping[str, tuple[Sequence[Arrival], int]],
                   rounds: int) -> dict[str, Any]:
-    """Every workload against both sides in turn, ``rounds`` times; medians and the ratios."""
-    await served.run(next(iter(workloads.values()))[0][:4], "gateway")  # warm-up, both sides
-    await run_vllm(server, next(iter(workloads.values()))[0][:4], 4)
+    """Every workload against both sides in turn, ``rounds`` times, each side with the other
+    stopped (``paused``); medians and the ratios."""
+    suite_groups = [p.pid for p in served.suite.processes.values()]  # each service leads its own group
+
+    async def on_aiserve(work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
+        with paused([server.process.pid]):
+            return await served.run(work, "gateway", concurrency)
+
+    async def on_vllm(work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
+        with paused(suite_groups):
+            return await run_vllm(server, work, concurrency)
+
+    async def resumed() -> None:  # both SERVING again before the next run is timed
+        await served.suite.wait_serving(timeout_s=120)
+        await asyncio.to_thread(server.wait_ready, 120)
+
+    warm = next(iter(workloads.values()))[0][:4]
+    await on_aiserve(warm, 4)  # warm-up, both sides
+    await on_vllm(warm, 4)
+    await resumed()
     report: dict[str, Any] = {}
     for name, (work, concurrency) in workloads.items():
         print(f"  {name} ...", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"aiserve": [], "vllm": []}
         for _ in range(rounds):
-            runs["aiserve"].append(await served.run(work, "gateway", concurrency))
-            runs["vllm"].append(await run_vllm(server, work, concurrency))
+            runs["aiserve"].append(await on_aiserve(work, concurrency))
+            await resumed()
+            runs["vllm"].append(await on_vllm(work, concurrency))
+            await resumed()
         result = {side: median_run(samples) for side, samples in runs.items()}
         result["ratio"] = round(result["aiserve"]["tokens_per_s"] / result["vllm"]["tokens_per_s"], 3)
         report[name] = result

@@ -35,10 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from aiserve.model_facts import CONFIG_FILE
-from services.inference.cpu_kernels import build_kernels
+from services.inference.cpu_kernels import bucket_rows, build_kernels
 from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
-from services.inference.llama_weights import build_weights, quantized_dtype, read_tensors
+from services.inference.llama_weights import Layer, build_weights, is_quantized, quantized_dtype, read_tensors
 from services.inference.native_ops import unsupported
 
 # Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
@@ -121,6 +121,12 @@ class LlamaModel:
         self._linears = weights.linears()
         self.packed_weights = all(x.packed is not None for x in self._linears)
         """Whether every matmul runs on a oneDNN-packed weight."""
+        self.layers_in_cpp = self.native_ops and not any(is_quantized(x.w) for x in self._linears)
+        """Whether a decode-only step runs its loop over layers in one call of our op
+        (``torch.ops.aiserve.decode_layers``), the same ops without the Python between them; a
+        quantized version's products run on torchao's Python tensor subclasses, so not there."""
+        self._norms = [w for layer in self.layers for w in (layer.ln_attn, layer.ln_mlp)]
+        self._products = {wide: _product_lists(self.layers, wide) for wide in (False, True)}
         self._cos, self._signed_sin = rope_tables(config, device)  # [P, D] each, float32
 
     def prepare_kernels(self, max_rows: int, max_logit_rows: int | None = None) -> int:
@@ -178,6 +184,13 @@ class LlamaModel:
         masks = _Masks(single, [_additive(span.mask, self.dtype) for span in batch.spans])
         scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
             else itertools.repeat((None, None))
+        if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
+                and batch.single_lens is not None):  # decode rows only, one token a slot
+            h = torch.ops.aiserve.decode_layers(
+                h, self._norms, *self._products[wide], cos, sin, k_cache, v_cache, batch.cache_rows,
+                batch.single_lo, batch.single_hi, batch.single_len, batch.single_lens, c.num_heads, c.num_kv_heads,
+                c.rms_norm_eps, bucket_rows(n))
+            return self._logits(h, batch)
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
         for layer, kc, vc, (ks, vs) in zip(self.layers, k_cache, v_cache, scales, strict=False):
             h, x = self._add_norm(h, delta, layer.ln_attn)
@@ -192,8 +205,11 @@ class LlamaModel:
                                   layer.ln_mlp)
             gate, up = layer.gate_up(x, wide).chunk(2, dim=-1)  # [N, I] each
             delta = layer.down(F.silu(gate) * up, wide)
-        h = h if delta is None else h + delta
-        last = rms_norm(h[batch.logits_rows], self.norm, c.rms_norm_eps)  # [R, hidden]
+        return self._logits(h if delta is None else h + delta, batch)
+
+    def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [R, V] of ``batch.logits_rows`` of the last layer's output ``h``."""
+        last = rms_norm(h[batch.logits_rows], self.norm, self.config.rms_norm_eps)  # [R, hidden]
         return self.lm_head(last, last.shape[0] >= _WIDE_MIN_LOGIT_ROWS)  # [R, V]
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
@@ -257,6 +273,13 @@ class LlamaModel:
             )  # [1, KVH, G*t, D]
             result[a : a + t] = o.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, c.num_heads * d)
         return result
+
+
+def _product_lists(layers: list[Layer], wide: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:
+    """Weights, biases and modes of every layer's products (qkv, o, gate_up, down) as ``Linear``
+    runs them for ``wide``: the layer loop's arguments (csrc/decode_layers.cpp)."""
+    plans = [x.plan(wide) for layer in layers for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return [p[0] for p in plans], [p[1] for p in plans], [p[2] for p in plans]
 
 
 @dataclass(frozen=True, slots=True)

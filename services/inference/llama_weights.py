@@ -45,6 +45,20 @@ class Linear:
             return packed_linear(x, self.packed, self.b)
         return F.linear(x, self.w, self.b)
 
+    def plan(self, wide: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """The weight, bias and ``PRODUCT_MODES`` index ``__call__`` runs with for ``wide``, for
+        the C++ layer loop (csrc/decode_layers.cpp), which makes the same choice's product."""
+        if wide and self.w_wide is not None:
+            return self.w_wide, self.b_wide, PRODUCT_MODES.index("wide")
+        if self.packed is not None:
+            return self.packed, self.b, PRODUCT_MODES.index("packed")
+        return self.w, self.b, PRODUCT_MODES.index("plain")
+
+
+PRODUCT_MODES = ("plain", "packed", "wide")
+"""How a product runs, in csrc/decode_layers.cpp's numbering: F.linear on ``w``, oneDNN on
+``packed``, F.linear on the float32 copy."""
+
 
 @dataclass(frozen=True, slots=True)
 class Layer:

@@ -9,6 +9,9 @@ forward uses them instead of torch's.
 - ``torch.ops.aiserve.rms_norm`` (with the residual add before it) and ``rotate_`` (the rotary
   embedding, in place) (``csrc/fused_ops.cpp``): one pass per row instead of 5-8 torch ops,
   bit-identical in bf16.
+- ``torch.ops.aiserve.decode_layers`` (``csrc/decode_layers.cpp``): a decode-only step's whole
+  loop over layers in one call, the same ops in the same order without the Python between them
+  (``LlamaModel.layers_in_cpp``); the Python loop's bits.
 
 They are C++ compiled against the installed torch with the system's C++ compiler (``g++`` or
 ``$CXX``) for AVX2 + FMA, which both CPU kinds we serve on have (an AVX-512 build of the attention
@@ -36,6 +39,7 @@ import torch
 from aiserve.common.config import ConfigError
 
 SOURCES = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")))
+HEADERS = tuple(sorted((Path(__file__).resolve().parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 NEEDS_CPU_FLAGS = frozenset({"avx2", "fma"})
 ON, OFF = "on", "off"
@@ -45,9 +49,10 @@ torch's; "on" = ours or refuse to start; "off" = torch's."""
 
 
 def library_path(sources: tuple[Path, ...] | None = None) -> Path:
-    """Where the library built from ``sources`` (default ``SOURCES``), these flags and this torch lives."""
+    """Where the library built from ``sources`` (default ``SOURCES`` and ``HEADERS``), these flags
+    and this torch lives."""
     digest = hashlib.sha256()
-    for source in sources or SOURCES:
+    for source in sources or SOURCES + HEADERS:
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(" ".join(FLAGS).encode())
     digest.update(torch.__version__.encode())

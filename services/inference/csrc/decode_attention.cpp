@@ -1,4 +1,4 @@
-// Decode attention over the slot KV cache (services/inference/decode_attention.py builds and loads it).
+// Decode attention over the slot KV cache (services/inference/native_ops.py builds and loads it).
 //
 // One engine step's decode rows: slot b's queries q[b, h, i] (its new token and drafts, times the
 // query heads that share KV head h) each read the first lens[b, i] keys of that slot's K/V for
@@ -12,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "ops.h"
 
 #include <algorithm>
 #include <cmath>
@@ -117,6 +119,10 @@ void by_dim(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     call(run<Q, KV, 0>);
 }
 
+}  // namespace
+
+namespace aiserve_ops {
+
 // q: [B, H, Q, D] contiguous, bfloat16 or float32; k, v: [B, H, >= max(lens), D] with unit stride
 // in D, in q's dtype or int8 (then k_scale, v_scale: [B, H, >= max(lens)] float32, unit stride
 // in the position); lens: [B, Q] int32, each >= 1. Returns [B, H, Q, D] in q's dtype.
@@ -175,11 +181,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
-}  // namespace
+}  // namespace aiserve_ops
 
 TORCH_LIBRARY(aiserve, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale, Tensor? k_scale=None, "
         "Tensor? v_scale=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(aiserve, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(aiserve, CPU, m) { m.impl("decode_attention", &aiserve_ops::decode_attention); }

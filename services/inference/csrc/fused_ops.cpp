@@ -11,6 +11,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "ops.h"
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -72,6 +74,10 @@ void norm_rows(T* x, const T* delta, const T* weight, T* y, int64_t rows, int64_
   });
 }
 
+}  // namespace
+
+namespace aiserve_ops {
+
 at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm: x");
   TORCH_CHECK(weight.is_contiguous() && weight.dim() == 1 && weight.size(0) == x.size(1)
@@ -92,6 +98,10 @@ at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const 
               y.data_ptr<float>(), rows, cols, x.stride(0), ds, static_cast<float>(eps));
   return y;
 }
+
+}  // namespace aiserve_ops
+
+namespace {
 
 // x [N, heads, D] (unit stride in D) in place: x * cos + roll(x, D/2) * signed_sin, with cos and
 // signed_sin [N, D] in x's dtype; each product and the sum rounded as the torch ops do.
@@ -118,6 +128,10 @@ void rotate_rows(T* x, const T* cos, const T* sin, int64_t n, int64_t heads, int
   });
 }
 
+}  // namespace
+
+namespace aiserve_ops {
+
 void rotate_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1, "rotate_: x must be [N, heads, D], unit stride in D");
   const int64_t d = x.size(2);
@@ -136,7 +150,7 @@ void rotate_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin) 
     TORCH_CHECK(false, "rotate_: bfloat16 or float32");
 }
 
-}  // namespace
+}  // namespace aiserve_ops
 
 TORCH_LIBRARY_FRAGMENT(aiserve, m) {
   m.def("rms_norm(Tensor(a!) x, Tensor? delta, Tensor weight, float eps) -> Tensor");
@@ -144,6 +158,6 @@ TORCH_LIBRARY_FRAGMENT(aiserve, m) {
 }
 
 TORCH_LIBRARY_IMPL(aiserve, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("rotate_", &rotate_);
+  m.impl("rms_norm", &aiserve_ops::rms_norm);
+  m.impl("rotate_", &aiserve_ops::rotate_);
 }

@@ -185,6 +185,53 @@ def test_the_model_applies_the_same_check_as_the_choice(model_dir: Path) -> None
     assert not LlamaModel.load(model_dir, CPU, torch.float16, native_ops=True).native_ops
 
 
+def decode_step(model: LlamaModel, slots: int, in_cpp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits and caches after one decode-only step of ``slots`` rows (one token each, contexts of
+    different lengths) over a random cache, the loop over layers in C++ or in Python."""
+    config = model.config
+    shape = (config.num_layers, slots, config.num_kv_heads, 64, config.head_dim)
+    g = torch.Generator().manual_seed(slots)
+    k, v = (torch.randn(shape, generator=g).to(model.dtype) for _ in range(2))
+    rows = [BatchRow(slot, 3 + (7 * slot) % 50, [(11 * slot) % 5000 + 100], True) for slot in range(slots)]
+    model.layers_in_cpp = in_cpp
+    with torch.inference_mode(), torch.profiler.profile() as prof:
+        logits = model.forward(build_batch(rows, config, 64, CPU, native_ops=True), k, v)
+    assert any(e.name == "aiserve::decode_layers" for e in prof.events()) == in_cpp
+    return logits, k, v
+
+
+@pytest.mark.parametrize(("dtype", "matmul_dtype"), [(torch.bfloat16, None), (torch.float32, None),
+                                                     (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("slots", [3, 5, 33])  # 3: products on the bf16 weights; 5 on the float32 copy; 33 padded
+def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(model_dir: Path, dtype: torch.dtype,
+                                                           matmul_dtype: torch.dtype | None, slots: int) -> None:
+    """The same logits and the same K/V written, bit for bit, for each way a product runs (oneDNN
+    on packed bf16 weights, float32, the float32 copy of a bf16 model) and a row count that the
+    packed products pad to their bucket (33 -> 40)."""
+    model = LlamaModel.load(model_dir, CPU, dtype, matmul_dtype, native_ops=True)
+    assert model.layers_in_cpp
+    python, cpp = (decode_step(model, slots, in_cpp) for in_cpp in (False, True))
+    for theirs, ours in zip(python, cpp, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_the_layer_loop_refuses_arguments_that_do_not_fit_the_cache() -> None:
+    h, cache = torch.randn(2, 8), torch.zeros(1, 2, 1, 4, 8)
+    lens, rows = torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.long)
+    norms = [torch.ones(8)] * 2
+    weights = [torch.randn(24, 8), torch.eye(8), torch.randn(16, 8), torch.eye(8)]  # one head of 8, one KV head
+    cos, sin = torch.ones(2, 8), torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="2 norms and 4 products"):
+        torch.ops.aiserve.decode_layers(h, norms[:1], weights, [None] * 4, [0] * 4, cos, sin, cache, cache.clone(),
+                                        rows, 0, 2, 1, lens, 1, 1, 1e-5, 2)
+    with pytest.raises(RuntimeError, match=r"cache row 99 outside 0..7"):
+        torch.ops.aiserve.decode_layers(h, norms, weights, [None] * 4, [0] * 4, cos, sin, cache, cache.clone(),
+                                        torch.tensor([0, 99]), 0, 2, 1, lens, 1, 1, 1e-5, 2)
+    with pytest.raises(RuntimeError, match=r"one row per slot of \[lo, hi\)"):
+        torch.ops.aiserve.decode_layers(h, norms, weights, [None] * 4, [0] * 4, cos, sin, cache, cache.clone(),
+                                        rows, 1, 2, 1, lens, 1, 1, 1e-5, 2)
+
+
 def test_the_setting_and_the_machine_choose_them() -> None:
     assert native_ops.choose("auto", CPU, "bfloat16", FLAGS) == (True, "on: built for avx2+fma, CPU has them")
     assert native_ops.choose("on", CPU, "float32", FLAGS)[0]
@@ -210,10 +257,13 @@ def test_the_library_name_follows_the_sources_and_torch(monkeypatch: pytest.Monk
     """A changed source or torch gets a new file name: a stale build is never loaded."""
     built = native_ops.library_path()
     assert built.exists() and built.parent.is_relative_to(Path(native_ops.sys.prefix))
-    assert {p.name for p in native_ops.SOURCES} == {"decode_attention.cpp", "fused_ops.cpp"}
+    assert {p.name for p in native_ops.SOURCES} == {"decode_attention.cpp", "decode_layers.cpp", "fused_ops.cpp"}
+    assert [p.name for p in native_ops.HEADERS] == ["ops.h"]
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native_ops.library_path() != built
     monkeypatch.undo()
-    changed = tmp_path / "fused_ops.cpp"
-    changed.write_text(native_ops.SOURCES[1].read_text() + "\n// changed\n")
-    assert native_ops.library_path((native_ops.SOURCES[0], changed)) != built
+    assert native_ops.library_path(native_ops.SOURCES + native_ops.HEADERS) == built
+    for i, source in enumerate(files := native_ops.SOURCES + native_ops.HEADERS):
+        changed = tmp_path / source.name
+        changed.write_text(source.read_text() + "\n// changed\n")
+        assert native_ops.library_path((*files[:i], changed, *files[i + 1:])) != built
