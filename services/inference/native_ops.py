@@ -12,6 +12,9 @@ forward uses them instead of torch's.
 - ``torch.ops.aiserve.decode_layers`` (``csrc/decode_layers.cpp``): a decode-only step's whole
   loop over layers in one call, the same ops in the same order without the Python between them
   (``LlamaModel.layers_in_cpp``); the Python loop's bits.
+- ``torch.ops.aiserve.argmax_rows`` (``csrc/fused_ops.cpp``): greedy rows' ids (the sampler's
+  ``_argmax``), the indices ``torch.max(x, -1)`` gives; 1.34 -> 0.50 ms on [64, 49152] bf16
+  logits (2 cores).
 
 They are C++ compiled against the installed torch with the system's C++ compiler (``g++`` or
 ``$CXX``) for AVX2 + FMA, which both CPU kinds we serve on have (an AVX-512 build of the attention
@@ -104,6 +107,11 @@ def load() -> bool:
     torch.ops.load_library(str(path))
     _loaded.append(path)
     return True
+
+
+def loaded() -> bool:
+    """Whether the library is loaded into this process (``torch.ops.aiserve.*`` exist)."""
+    return bool(_loaded)
 
 
 RUN_DTYPES = ("bfloat16", "float32")

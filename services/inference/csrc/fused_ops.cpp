@@ -13,9 +13,11 @@
 
 #include "ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // No fused multiply-adds: x * cos + roll(x) * sin must round its products as torch does.
 #pragma GCC optimize("fp-contract=off")
@@ -161,3 +163,55 @@ TORCH_LIBRARY_IMPL(aiserve, CPU, m) {
   m.impl("rms_norm", &aiserve_ops::rms_norm);
   m.impl("rotate_", &aiserve_ops::rotate_);
 }
+
+namespace {
+
+// The first index of each row's largest value, as torch.max(x, -1).indices gives it (a NaN is the
+// largest: the first NaN's index). Two passes over a row that stays in cache: its maximum (a
+// reduction the compiler vectorises), then the first place that holds it.
+template <typename T>
+void first_max(const T* x, int64_t* out, int64_t rows, int64_t cols, int64_t stride) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * stride;
+      float top = -std::numeric_limits<float>::infinity();
+      int nan = 0;
+#pragma omp simd reduction(max : top) reduction(| : nan)
+      for (int64_t c = 0; c < cols; ++c) {
+        const float v = widen(xr[c]);
+        top = std::max(top, v);
+        nan |= static_cast<int>(v != v);
+      }
+      int64_t at = 0;
+      if (nan) {
+        while (widen(xr[at]) == widen(xr[at])) ++at;
+      } else {
+        while (widen(xr[at]) != top) ++at;
+      }
+      out[r] = at;
+    }
+  });
+}
+
+}  // namespace
+
+namespace aiserve_ops {
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0,
+              "argmax_rows: x must be a [rows, cols > 0] CPU tensor with unit stride");
+  at::Tensor out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  if (x.scalar_type() == at::kBFloat16)
+    first_max(x.data_ptr<c10::BFloat16>(), out.data_ptr<int64_t>(), x.size(0), x.size(1), x.stride(0));
+  else if (x.scalar_type() == at::kFloat)
+    first_max(x.data_ptr<float>(), out.data_ptr<int64_t>(), x.size(0), x.size(1), x.stride(0));
+  else
+    TORCH_CHECK(false, "argmax_rows: bfloat16 or float32");
+  return out;
+}
+
+}  // namespace aiserve_ops
+
+TORCH_LIBRARY_FRAGMENT(aiserve, m) { m.def("argmax_rows(Tensor x) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(aiserve, CPU, m) { m.impl("argmax_rows", &aiserve_ops::argmax_rows); }

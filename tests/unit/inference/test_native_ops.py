@@ -232,6 +232,27 @@ def test_the_layer_loop_refuses_arguments_that_do_not_fit_the_cache() -> None:
                                         rows, 1, 2, 1, lens, 1, 1, 1e-5, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_gives_torch_max_indices_ties_and_nans_included(dtype: torch.dtype) -> None:
+    """The first of equal maxima, the first NaN where there is one, a row of -inf's first id."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 49152, generator=g).to(dtype)
+    x[1, [7, 700, 40000]] = 50.0  # a tie: the first
+    x[2, [5, 9000]] = float("nan")  # NaN beats everything: the first NaN
+    x[3] = float("-inf")
+    x[4, 0] = 60.0  # the very first id
+    x[5, -1] = 60.0  # the very last id
+    x[6] = 0.0
+    x[6, 100] = -0.0  # equal to 0.0: still the first
+    logits = x[:, :-3]  # strided rows (unit stride in a row)
+    for rows in (x, logits, x[:1]):
+        assert torch.equal(torch.ops.aiserve.argmax_rows(rows), torch.max(rows, dim=-1).indices)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        torch.ops.aiserve.argmax_rows(x.half())
+    with pytest.raises(RuntimeError, match="unit stride"):
+        torch.ops.aiserve.argmax_rows(x.t())
+
+
 def test_the_setting_and_the_machine_choose_them() -> None:
     assert native_ops.choose("auto", CPU, "bfloat16", FLAGS) == (True, "on: built for avx2+fma, CPU has them")
     assert native_ops.choose("on", CPU, "float32", FLAGS)[0]
