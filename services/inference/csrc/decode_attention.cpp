@@ -35,6 +35,8 @@ inline float widen(c10::BFloat16 x) {
 inline void put(float* dst, float x) { *dst = x; }
 inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
 
+constexpr int64_t kBlock = 16;  // values of D summed in registers at once (two AVX2 vectors)
+
 struct Shape {
   int64_t slots, heads, queries, dim;
   int64_t k_slot, k_head, k_pos, v_slot, v_head, v_pos;  // strides of k and v (elements)
@@ -63,7 +65,22 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
         const KV* kj = kb + j * s.k_pos;
         for (int64_t c = 0; c < d; ++c) row[c] = widen(kj[c]);
         const float ks = ksb ? ksb[j] : 1.f;
-        for (int64_t i = 0; i < nq; ++i) {
+        int64_t i = 0;
+        for (; i + 3 <= nq; i += 3) {  // three queries a pass over the key (the default model's group)
+          const float *q0 = qf.data() + i * d, *q1 = q0 + d, *q2 = q1 + d;
+          float a0 = 0.f, a1 = 0.f, a2 = 0.f;
+#pragma omp simd reduction(+ : a0, a1, a2)
+          for (int64_t c = 0; c < d; ++c) {
+            const float r = row[c];
+            a0 += q0[c] * r;
+            a1 += q1[c] * r;
+            a2 += q2[c] * r;
+          }
+          scores[i * length + j] = a0 * ks;
+          scores[(i + 1) * length + j] = a1 * ks;
+          scores[(i + 2) * length + j] = a2 * ks;
+        }
+        for (; i < nq; ++i) {
           const float* qi = qf.data() + i * d;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -76,25 +93,61 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
         const int64_t n = lb[i];
         float top = -std::numeric_limits<float>::infinity();
         for (int64_t j = 0; j < n; ++j) top = std::max(top, si[j]);
+        __m256 sum8 = _mm256_setzero_ps();
+        const __m256 top8 = _mm256_set1_ps(top);
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {
+          const __m256 e = aiserve_ops::exp8(_mm256_sub_ps(_mm256_loadu_ps(si + j), top8));
+          _mm256_storeu_ps(si + j, e);
+          sum8 = _mm256_add_ps(sum8, e);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, sum8);
         float sum = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
-          si[j] = std::exp(si[j] - top);
+        for (const float lane : lanes) sum += lane;
+        for (; j < n; ++j) {
+          si[j] = aiserve_ops::exp_approx(si[j] - top);
           sum += si[j];
         }
         const float inv = n > 0 ? 1.f / sum : 0.f;
         for (int64_t j = 0; j < n; ++j) si[j] *= inv;
         for (int64_t j = n; j < length; ++j) si[j] = 0.f;
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t j = 0; j < length; ++j) {  // out += p[:, j] * v_j
-        const KV* vj = vb + j * s.v_pos;
-        for (int64_t c = 0; c < d; ++c) row[c] = widen(vj[c]);
-        const float vs = vsb ? vsb[j] : 1.f;
-        for (int64_t i = 0; i < nq; ++i) {
-          const float p = scores[i * length + j] * vs;
-          float* ai = acc.data() + i * d;
+      if (vsb)  // an int8 cache's per-token V scale goes into the weights
+        for (int64_t i = 0; i < nq; ++i)
+          for (int64_t j = 0; j < length; ++j) scores[i * length + j] *= vsb[j];
+      // out[i] = sum_j p[i, j] v_j, a block of kBlock values of D at a time for three queries, so
+      // their sums stay in registers while the keys stream by
+      int64_t i = 0;
+      if (d % kBlock == 0)
+        for (; i + 3 <= nq; i += 3) {
+          const float *p0 = scores.data() + i * length, *p1 = p0 + length, *p2 = p1 + length;
+          for (int64_t c0 = 0; c0 < d; c0 += kBlock) {
+            float x0[kBlock] = {}, x1[kBlock] = {}, x2[kBlock] = {};
+            for (int64_t j = 0; j < length; ++j) {
+              const KV* vj = vb + j * s.v_pos + c0;
+              const float w0 = p0[j], w1 = p1[j], w2 = p2[j];
 #pragma omp simd
-          for (int64_t c = 0; c < d; ++c) ai[c] += p * row[c];
+              for (int64_t c = 0; c < kBlock; ++c) {
+                const float r = widen(vj[c]);
+                x0[c] += w0 * r;
+                x1[c] += w1 * r;
+                x2[c] += w2 * r;
+              }
+            }
+            std::memcpy(acc.data() + i * d + c0, x0, sizeof x0);
+            std::memcpy(acc.data() + (i + 1) * d + c0, x1, sizeof x1);
+            std::memcpy(acc.data() + (i + 2) * d + c0, x2, sizeof x2);
+          }
+        }
+      for (; i < nq; ++i) {
+        float* ai = acc.data() + i * d;
+        std::fill(ai, ai + d, 0.f);
+        for (int64_t j = 0; j < length; ++j) {
+          const KV* vj = vb + j * s.v_pos;
+          const float p = scores[i * length + j];
+#pragma omp simd
+          for (int64_t c = 0; c < d; ++c) ai[c] += p * widen(vj[c]);
         }
       }
       Q* ob = out + bh * nq * d;
