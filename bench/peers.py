@@ -151,31 +151,28 @@ async def compare(served: Served, server: VllmServer, workloads: Mapping[str, tu
     stopped (``paused``); medians and the ratios."""
     suite_groups = [p.pid for p in served.suite.processes.values()]  # each service leads its own group
 
-    async def on_aiserve(work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
-        with paused([server.process.pid]):
-            return await served.run(work, "gateway", concurrency)
-
-    async def on_vllm(work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
-        with paused(suite_groups):
-            return await run_vllm(server, work, concurrency)
-
-    async def resumed() -> None:  # both SERVING again before the next run is timed
+    async def alone(side: str, work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
+        """One run of ``side`` with the other stopped; both SERVING again before it returns."""
+        if side == "aiserve":
+            with paused([server.process.pid]):
+                result = await served.run(work, "gateway", concurrency)
+        else:
+            with paused(suite_groups):
+                result = await run_vllm(server, work, concurrency)
         await served.suite.wait_serving(timeout_s=120)
         await asyncio.to_thread(server.wait_ready, 120)
+        return result
 
     warm = next(iter(workloads.values()))[0][:4]
-    await on_aiserve(warm, 4)  # warm-up, both sides
-    await on_vllm(warm, 4)
-    await resumed()
+    for side in ("aiserve", "vllm"):  # warm-up, both sides
+        await alone(side, warm, 4)
     report: dict[str, Any] = {}
     for name, (work, concurrency) in workloads.items():
         print(f"  {name} ...", flush=True)
         runs: dict[str, list[dict[str, Any]]] = {"aiserve": [], "vllm": []}
         for _ in range(rounds):
-            runs["aiserve"].append(await on_aiserve(work, concurrency))
-            await resumed()
-            runs["vllm"].append(await on_vllm(work, concurrency))
-            await resumed()
+            for side, samples in runs.items():
+                samples.append(await alone(side, work, concurrency))
         result = {side: median_run(samples) for side, samples in runs.items()}
         result["ratio"] = round(result["aiserve"]["tokens_per_s"] / result["vllm"]["tokens_per_s"], 3)
         report[name] = result

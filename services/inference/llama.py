@@ -176,6 +176,13 @@ class LlamaModel:
         cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
         wide = n >= _WIDE_MIN_ROWS
+        if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
+                and batch.single_lens is not None):  # decode rows only, one token a slot: no masks
+            h = torch.ops.aiserve.decode_layers(
+                h, self._norms, *self._products[wide], cos, sin, k_cache, v_cache, batch.cache_rows,
+                batch.single_lo, batch.single_hi, batch.single_len, batch.single_lens, c.num_heads, c.num_kv_heads,
+                c.rms_norm_eps, bucket_rows(n))
+            return self._logits(h, batch)
         # SDPA turns a bool mask into an additive one on every call: once per step instead (our
         # decode attention reads single_lens instead)
         if batch.num_single and not self.native_ops and batch.single_mask is None:
@@ -184,13 +191,6 @@ class LlamaModel:
         masks = _Masks(single, [_additive(span.mask, self.dtype) for span in batch.spans])
         scales: Any = zip(k_scale, v_scale, strict=True) if k_scale is not None and v_scale is not None \
             else itertools.repeat((None, None))
-        if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
-                and batch.single_lens is not None):  # decode rows only, one token a slot
-            h = torch.ops.aiserve.decode_layers(
-                h, self._norms, *self._products[wide], cos, sin, k_cache, v_cache, batch.cache_rows,
-                batch.single_lo, batch.single_hi, batch.single_len, batch.single_lens, c.num_heads, c.num_kv_heads,
-                c.rms_norm_eps, bucket_rows(n))
-            return self._logits(h, batch)
         delta: torch.Tensor | None = None  # the last sublayer's output, not yet added to h
         for layer, kc, vc, (ks, vs) in zip(self.layers, k_cache, v_cache, scales, strict=False):
             h, x = self._add_norm(h, delta, layer.ln_attn)

@@ -1,4 +1,5 @@
-// The ops of this library that other ops here call directly (each is also a torch.ops.aiserve op).
+// The ops of this library that other ops here call directly (each is also a torch.ops.aiserve op),
+// and the exponential the attention's softmax vectorises.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,17 +24,22 @@ void rotate_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);
 // exp(x) without a library call (std::exp is one per value): x = n ln2 + r, n the nearest
 // integer, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial, 2^n put in the exponent bits.
 // Within 2 ulp of std::exp for x in [-87, 88]; below, exp(-87) (a softmax weight beside the
-// row maximum's exp(0) = 1 that no float sum can see), above, exp(88).
+// row maximum's exp(0) = 1 that no float sum can see), above, exp(88). exp_approx takes one
+// float, exp8 eight (AVX2), with the same constants and steps.
+namespace exp_constants {
+constexpr float kLow = -87.f, kHigh = 88.f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln2 in two parts, for r exactly
+constexpr float kPoly[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                           4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};  // highest power first
+}  // namespace exp_constants
+
 inline float exp_approx(float x) {
-  x = x < -87.f ? -87.f : (x > 88.f ? 88.f : x);
-  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
-  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  using namespace exp_constants;
+  x = x < kLow ? kLow : (x > kHigh ? kHigh : x);
+  const float n = (x * kLog2e + 12582912.f) - 12582912.f;  // round to nearest (1.5 * 2^23)
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = kPoly[0];
+  for (int k = 1; k < 6; ++k) p = p * r + kPoly[k];
   const float e = p * r * r + r + 1.f;
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
@@ -41,19 +47,14 @@ inline float exp_approx(float x) {
   return e * scale;
 }
 
-// exp_approx of eight floats (AVX2; the same steps).
 inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f))),
-                                 _mm256_mul_ps(n, _mm256_set1_ps(-2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  using namespace exp_constants;
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kLow)), _mm256_set1_ps(kHigh));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kPoly[0]);
+  for (int k = 1; k < 6; ++k) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kPoly[k]));
   const __m256 e = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(p, r), r), r), _mm256_set1_ps(1.f));
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(e, _mm256_castsi256_ps(bits));
