@@ -207,26 +207,29 @@ def forward_context_interceptors() -> list[aio.ClientInterceptor]:
     return [_ForwardUnaryUnary(), _ForwardUnaryStream(), _ForwardStreamUnary(), _ForwardStreamStream()]
 
 
+DOWNSTREAM_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.enable_retries", 1),
+    # Backends live on the same host or mesh: reconnect quickly after a restart, and at start
+    # see a backend within 250 ms of it listening (with 1 s the gateway reported SERVING up
+    # to 0.8 s after the inference service did: README, "Cold start").
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 250),
+    # A replica that vanishes without closing its socket (a node lost) is noticed within
+    # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even while no call is running.
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    # No bandwidth-delay probing: its pings only size windows for long fat links, and here
+    # they would count against the backend's ping limit (aiserve/common/server.py).
+    ("grpc.http2.bdp_probe", 0),
+]
+"""The options of every channel from one aiserve service to another (``downstream_channel``)."""
+
+
 def downstream_channel(address: str) -> aio.Channel:
     """An insecure channel to another aiserve service that forwards the request context."""
-    options = [
-        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ("grpc.enable_retries", 1),
-        # Backends live on the same host or mesh: reconnect quickly after a restart, and at start
-        # see a backend within 250 ms of it listening (with 1 s the gateway reported SERVING up
-        # to 0.8 s after the inference service did: README, "Cold start").
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 250),
-        # A replica that vanishes without closing its socket (a node lost) is noticed within
-        # KEEPALIVE_TIME_MS + KEEPALIVE_TIMEOUT_MS even while no call is running.
-        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
-        # No bandwidth-delay probing: its pings only size windows for long fat links, and here
-        # they would count against the backend's ping limit (aiserve/common/server.py).
-        ("grpc.http2.bdp_probe", 0),
-    ]
-    return aio.insecure_channel(address, options=options, interceptors=forward_context_interceptors())
+    return aio.insecure_channel(address, options=DOWNSTREAM_OPTIONS, interceptors=forward_context_interceptors())

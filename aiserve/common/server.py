@@ -36,17 +36,21 @@ log = get_logger("server")
 
 ConfigT = TypeVar("ConfigT")
 
-_OPTIONS = [
+SERVER_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),
     # Permit the gateway's keepalive pings (aiserve/common/interceptors.py, every 10 s), calls or
-    # not. A ping within 1 s of the last is a strike and the third strike closes the connection
-    # ("too_many_pings"). With 5 s, a fresh-clone test run once lost the gateway's tokenizer
-    # connection that way while the machine was loaded (timers firing late bunch two pings);
-    # 1 s leaves a 10x margin and still refuses a client that pings in a loop.
+    # not. A ping within 1 s of the last, with no data sent between them, is a strike and the
+    # third strike closes the connection ("too_many_pings"); 1 s leaves a 10x margin for timers
+    # that fire late on a loaded machine and still refuses a client that pings in a loop.
+    # The key is grpc core's own spelling: an unknown key is ignored without a word, and one
+    # misspelt ("min_recv_ping_...") once left grpc's 5-minute default in force, so every
+    # keepalive on a connection the backend wrote nothing to for 40 s was a strike and the
+    # gateway's channel to an idle replica was closed ("Too many pings"). Tests check every key
+    # here against the grpc library (tests/unit/common/test_grpc_options.py).
     ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1_000),
     ("grpc.http2.max_ping_strikes", 2),
 ]
 
@@ -184,7 +188,7 @@ def new_server(name: str, service_names: Sequence[str], host: str, port: int) ->
     for collector in (ProcessCollector, PlatformCollector, GCCollector):
         collector(registry=registry)
     rpc_metrics = RpcMetrics(name, registry)
-    server = aio.server(interceptors=[ServerInterceptor(rpc_metrics)], options=_OPTIONS)
+    server = aio.server(interceptors=[ServerInterceptor(rpc_metrics)], options=SERVER_OPTIONS)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = (*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
