@@ -42,8 +42,8 @@ heap (float32 SmolLM2-135M: 616 MiB above the runtime after loading for 513 MiB 
 
 PACKED_KERNEL_BYTES = 160 * 2**20
 """What oneDNN-packed serving holds beyond the packed copy of the weights: the primitives the
-service builds at start for each weight shape at 48 row-count buckets (services/inference/
-cpu_kernels.py), and their scratch. Measured: bfloat16 SmolLM2-135M at 4 x 512 held 1,035 MiB,
+service builds at start for each weight shape at 48 row-count buckets
+(aiserve/common/onednn.py), and their scratch. Measured: bfloat16 SmolLM2-135M at 4 x 512 held 1,035 MiB,
 the unpacked estimate plus one more copy of the weights plus ~160 MiB."""
 
 PREFIX_CACHE_FRACTION = 0.05

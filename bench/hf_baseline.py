@@ -10,9 +10,10 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from aiserve.common.cpu import read_cpu_flags
 from bench.measure import percentiles
 from bench.workload import Arrival
-from services.inference.precision import AUTO, choose_precision, read_cpu_flags
+from services.inference.precision import AUTO, choose_precision
 from services.inference.torch_thread import run_in_fresh_thread
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from aiserve import sizing
 from aiserve import store as model_store
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.common.paths import DEV_KEY_FILE, aiserve_home, model_store_path
 from aiserve.store import DEFAULT_MODEL, ModelRef, ModelStore, ModelStoreError
-from services.inference.precision import read_cpu_flags
 from suite.admin import add_commands
 from suite.alerts import add_alerts_command
 from suite.autoscale_cli import add_autoscale_command

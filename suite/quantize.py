@@ -20,13 +20,14 @@ from typing import TextIO
 
 import torch
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.model_facts import CONFIG_FILE
 from aiserve.store import WEIGHT_SUFFIXES, Manifest, ModelRef, ModelStore, ModelStoreError
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import QUANTIZED_FILE, read_tensors
 from services.inference.model import TORCH_DTYPES
 from services.inference.offline import DecodeSpeed, OfflineModel, torch_threads
-from services.inference.precision import AUTO, choose_precision, read_cpu_flags
+from services.inference.precision import AUTO, choose_precision
 from services.inference.quantize import SCHEMES, quantize_tensors, torchao_version
 
 SPEED_TOKENS = 16

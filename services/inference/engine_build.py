@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.model_facts import read_model_facts
 from services.inference import native_ops
 from services.inference.batch_engine import BatchEngine
@@ -16,7 +17,7 @@ from services.inference.engine_config import EngineConfig
 from services.inference.grammar import Grammars
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
-from services.inference.precision import Precision, choose_precision, read_cpu_flags
+from services.inference.precision import Precision, choose_precision
 
 
 def machine_precision(config: InferenceConfig) -> Precision:

@@ -21,13 +21,14 @@ from pathlib import Path
 
 import torch
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.eval_tasks import Task
 from aiserve.model_facts import read_model_facts
 from aiserve.store import Manifest
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
 from services.inference.offline import OfflineModel
-from services.inference.precision import AUTO, choose_precision, read_cpu_flags
+from services.inference.precision import AUTO, choose_precision
 from services.tokenizer.tokenizer import ChatMessage, ModelTokenizer
 
 

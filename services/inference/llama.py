@@ -19,7 +19,7 @@ and its activations stay bf16, so the products are those of a bf16 GEMM with flo
 accumulation; the copy is used once a product has enough rows.
 
 The architecture facts are ``llama_config.py``, the weights ``llama_weights.py``, the CPU
-kernels (packed bf16 weights) ``cpu_kernels.py``; which matmul dtype a machine gets,
+kernels (packed bf16 weights) ``aiserve/common/onednn.py``; which matmul dtype a machine gets,
 ``precision.py``.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from aiserve.common.onednn import bucket_rows, build_kernels
 from aiserve.model_facts import CONFIG_FILE
-from services.inference.cpu_kernels import bucket_rows, build_kernels
 from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
 from services.inference.llama_weights import Layer, build_weights, is_quantized, quantized_dtype, read_tensors
@@ -131,7 +131,7 @@ class LlamaModel:
 
     def prepare_kernels(self, max_rows: int, max_logit_rows: int | None = None) -> int:
         """Run each packed weight shape once at every bucketed row count up to ``max_rows`` (a
-        step's token budget; at most ``cpu_kernels.PREPARE_MAX_ROWS``), the lm_head only up to
+        step's token budget; at most ``onednn.PREPARE_MAX_ROWS``), the lm_head only up to
         ``max_logit_rows`` (the most logits a step asks for; None = ``max_rows``), so oneDNN
         builds its kernels now and not while serving. Returns the number of products run (0
         when nothing is packed). Call it on the torch thread."""

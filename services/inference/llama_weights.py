@@ -3,7 +3,7 @@
 
 Each matrix product is a ``Linear``: the weight in the model dtype, plus a float32 copy where
 the model runs its larger products wider (``matmul_dtype``), or a oneDNN-packed copy where
-``cpu_kernels.pack_weight`` gives an exact one.
+``aiserve.common.onednn.pack_weight`` gives an exact one.
 
 A quantized version (``aiserve models quantize``, services/inference/quantize.py) stores its
 products already fused, under the names ``fused_products`` gives, as torchao tensor subclasses
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from services.inference.cpu_kernels import pack_weight, packed_linear, packing_is_exact
+from aiserve.common.onednn import pack_weight, packed_linear, packing_is_exact
 from services.inference.llama_config import LlamaConfig
 
 

@@ -2,7 +2,7 @@
 
 ``choose_precision`` is the one place the choice is made: a pure function of the device, the
 CPU's flags and the two settings (``dtype``, ``matmul_dtype``: a dtype name or "auto").
-``read_cpu_flags`` reads the flags from /proc/cpuinfo, apart, so tests inject them. "auto"
+``aiserve.common.cpu`` reads the flags and names the kind of CPU, apart, so tests inject them. "auto"
 follows ``POLICY``, a table by kind of machine (docs/engine.md, "Precision chosen by the
 machine"; decision 51); an explicit setting always wins. Pure Python: no torch.
 """
@@ -11,22 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Set
 from dataclasses import dataclass
-from pathlib import Path
+
+from aiserve.common.cpu import CPU_KINDS, machine_kind
 
 AUTO = "auto"
 DTYPES = ("bfloat16", "float32", "float16")
 """The dtype names a setting may give besides "auto" (model.TORCH_DTYPES maps them to torch)."""
 _SIXTEEN_BIT = ("bfloat16", "float16")
-
-CPU_KINDS: tuple[tuple[str, str], ...] = (
-    ("amx", "amx_bf16"),  # Intel Xeon from Sapphire Rapids: bf16 tile products
-    ("avx512_bf16", "avx512_bf16"),  # bf16 dot products: Cooper Lake, AMD Zen 4 and later
-    ("avx512", "avx512f"),
-    ("avx2", "avx2"),
-)
-"""CPU kinds by the flag that makes each, most capable first: a CPU is the first it has the flag
-of ("other" when none)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Rule:
@@ -70,7 +61,7 @@ class Precision:
     cpu: str
     """Kind of machine: "cuda", or the CPU's: "amx", "avx512_bf16", "avx512", "avx2", "other"."""
     cpu_flags: tuple[str, ...]
-    """The flags of ``CPU_KINDS`` this CPU has (none on CUDA: the choice rests on none)."""
+    """The flags of ``aiserve.common.cpu.CPU_KINDS`` this CPU has (none on CUDA: the choice rests on none)."""
     reason: str
     """One line: why these dtypes."""
     native_ops: str = "off"
@@ -79,13 +70,6 @@ class Precision:
     """One line: why."""
     draft_step_tokens: int = 8
     """What "auto" (-1) means for ``speculative_max_step_tokens`` on this machine (``Rule``)."""
-
-
-def machine_kind(device: str, cpu_flags: Set[str]) -> str:
-    """"cuda" for a CUDA device, else the first of ``CPU_KINDS`` whose flag the CPU has, or "other"."""
-    if device.startswith("cuda"):
-        return "cuda"
-    return next((kind for kind, flag in CPU_KINDS if flag in cpu_flags), "other")
 
 
 def choose_precision(device: str, cpu_flags: Set[str], dtype: str, matmul_dtype: str) -> Precision:
@@ -105,17 +89,3 @@ def choose_precision(device: str, cpu_flags: Set[str], dtype: str, matmul_dtype:
     reason = f"{kind}: {rule.why}" + (f" ({', '.join(explicit)} set)" if explicit else "")
     flags = () if kind == "cuda" else tuple(flag for _, flag in CPU_KINDS if flag in cpu_flags)
     return Precision(weights, matmul, weights, kind, flags, reason, draft_step_tokens=rule.draft_step_tokens)
-
-
-def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's flags from the first "flags" line of ``cpuinfo`` (empty where there is none,
-    as on ARM, or the file cannot be read)."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "flags":
-            return frozenset(value.split())
-    return frozenset()

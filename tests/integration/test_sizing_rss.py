@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.sizing import RUNTIME_BYTES, estimate, packs_weights, shape_of
 from aiserve.store import ModelRef, ModelStore
 from aiserve.v1 import inference_pb2, inference_pb2_grpc
-from services.inference.precision import read_cpu_flags
 from suite.runner import Suite
 from tests.integration.conftest import config_for_tests
 

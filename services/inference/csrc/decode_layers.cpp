@@ -33,7 +33,7 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return stack[0].toTensor();
 }
 
-// cpu_kernels.packed_linear: a packed product runs on ``padded`` rows (zeros below x).
+// aiserve/common/onednn.py, packed_linear: a packed product runs on ``padded`` rows (zeros below x).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t mode,
                   int64_t padded) {
   if (mode == kWide) return at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());

@@ -10,9 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from aiserve.common.cpu import read_cpu_flags
 from services.inference.llama import LlamaModel
 from services.inference.model import TORCH_DTYPES
-from services.inference.precision import choose_precision, read_cpu_flags
+from services.inference.precision import choose_precision
 from services.inference.runner import BatchRow, build_batch
 
 CPU = torch.device("cpu")

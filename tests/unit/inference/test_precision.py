@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from aiserve.common.config import ConfigError, config_with, load_config
+from aiserve.common.cpu import CPU_KINDS, machine_kind, read_cpu_flags
 from services.inference.config import InferenceConfig
 from services.inference.draft_planning import step_limit
 from services.inference.engine_build import machine_engine_config
 from services.inference.engine_config import DRAFT_STEP_TOKENS, KVCacheConfig
 from services.inference.kv_cache import KVLayout, KVPlan
-from services.inference.precision import CPU_KINDS, POLICY, choose_precision, machine_kind, read_cpu_flags
+from services.inference.precision import POLICY, choose_precision
 
 # The flags that matter, as /proc/cpuinfo lists them on each machine (plus a few that do not).
 AMX_XEON = frozenset("fpu sse4_2 avx avx2 fma avx512f avx512bw avx512_bf16 avx512_fp16 amx_bf16 amx_tile "

@@ -11,11 +11,11 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from aiserve.common.config import config_with
+from aiserve.common.cpu import machine_kind, read_cpu_flags
 from aiserve.common.server import ServiceHandle
 from aiserve.store import Manifest, ModelStore
 from aiserve.v1 import common_pb2, inference_pb2, inference_pb2_grpc
 from services.inference.config import InferenceConfig
-from services.inference.precision import machine_kind, read_cpu_flags
 from services.inference.server import InferenceServicer, create_server
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from aiserve.common.config import config_with
+from aiserve.common.onednn import kernel_buckets
 from aiserve.store import MANIFEST, ModelRef, ModelStore, ModelStoreError, sha256_file
 from services.inference.config import InferenceConfig
-from services.inference.cpu_kernels import kernel_buckets
 from services.inference.engine_build import build_engine
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import QUANTIZED_FILE, is_quantized

@@ -1,5 +1,6 @@
-"""CPU matmul kernels for the forward: oneDNN-packed bf16 weights and the row-count buckets their
-kernels are built for (which dtype the products run in is chosen in precision.py).
+"""CPU matrix products on oneDNN-packed bf16 weights, and the row-count buckets their kernels are
+built for: the inference service's forward (which dtype its products run in is chosen in
+services/inference/precision.py) and the cache's embedding model (services/cache/minilm.py).
 
 ``F.linear`` on a bf16 CPU tensor reorders the weight into oneDNN's blocked layout on every
 call; a weight packed once at load runs the same kernel without that (docs/engine.md, "Packed

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.inference.cpu_kernels import (
+from aiserve.common.onednn import (
     PREPARE_MAX_ROWS,
     bucket_rows,
     build_kernels,
