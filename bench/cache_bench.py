@@ -187,9 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging("bench", "warning")
     threshold = CacheConfig().match_rule.similarity_threshold
     faiss.omp_set_num_threads(CacheConfig().index_threads)  # as the service runs it
-    embedder = Embedder(threads=1)  # as the service runs it
+    # As the service runs it: one thread, its dtype setting (AISERVE_CACHE_EMBEDDING_DTYPE, which
+    # the suite's cache also reads, so one variable sets both sides of an A/B).
+    embedder = Embedder(threads=1, dtype=os.environ.get("AISERVE_CACHE_EMBEDDING_DTYPE", "auto"))
     scored = score_pairs(load_pairs(), embedder)
     report: dict[str, Any] = {"machine": machine(), "threshold": threshold, "embedding_model": embedder.model_id,
+                              "embedding_dtype": embedder.dtype, "embedding_dtype_reason": embedder.dtype_reason,
                               "lookups": bench_lookups(args.sizes, embedder, scored, threshold)}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "cache.json").write_text(json.dumps(report, indent=2))  # kept if the suite fails to start

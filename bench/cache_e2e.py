@@ -106,7 +106,10 @@ async def _run(suite: Suite, pairs: Sequence[ScoredPair], miss_prompts: Sequence
         exact = [await _timed(stub, key, p.a, max_new_tokens) for p in pairs]
         miss_ttft = await _miss_pairs(stub, key, miss_prompts, miss_tokens)
     round_trips = await _exact_round_trips(suite.config.address("cache"), 50)
-    return {"miss": _summary(misses), "semantic_hit": _summary(semantic), "exact_hit": _summary(exact),
+    async with aio.insecure_channel(suite.config.address("cache")) as channel:
+        info = await cache_pb2_grpc.CacheStub(channel).Info(cache_pb2.CacheInfoRequest(), timeout=30)
+    return {"cache_embedding_dtype": info.embedding_dtype, "cache_embedding_dtype_reason": info.embedding_dtype_reason,
+            "miss": _summary(misses), "semantic_hit": _summary(semantic), "exact_hit": _summary(exact),
             "miss_ttft": miss_ttft, "exact_lookup_round_trip": round_trips}
 
 

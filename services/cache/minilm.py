@@ -3,10 +3,14 @@ safetensors and tokenizer.json, mean pooling over the tokens, L2 normalisation.
 
 This is what sentence-transformers computes for this model (its modules.json: Transformer,
 Pooling with mean tokens, Normalize), in the same float32 torch operations; the cache's tests
-compare the two. Doing it here spares the service importing sentence-transformers and
-transformers (with scikit-learn and scipy): ~2.5 CPU seconds at every start, on a 2-core
-machine where the inference service loads its model at the same time (docs/decisions.md,
-decision 54). Blocking and not thread-safe: ``embedder.Embedder`` serialises the calls.
+compare the two. In bfloat16 the products (the encoder's dense layers) run on bf16 weights,
+packed for oneDNN where that is exact, with the embeddings, norms, attention and pooling
+still in float32: the vectors move by at most 0.003 in cosine (tests/unit/cache/test_minilm.py).
+
+Doing it here spares the service importing sentence-transformers and transformers (with
+scikit-learn and scipy): ~2.5 CPU seconds at every start, on a 2-core machine where the
+inference service loads its model at the same time (docs/decisions.md, decision 54).
+Blocking and not thread-safe: ``embedder.Embedder`` serialises the calls.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 from tokenizers import Tokenizer
+
+from aiserve.common.onednn import pack_weight, packed_linear, packing_is_exact
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -44,9 +50,11 @@ class BertConfig:
 
 
 class MiniLM:
-    """The encoder's weights (float32, on ``device``) and tokenizer; ``encode`` gives unit vectors."""
+    """The encoder's weights (on ``device``; the dense layers' in ``dtype``) and tokenizer;
+    ``encode`` gives unit vectors."""
 
-    def __init__(self, folder: Path, weights: bytes, device: torch.device) -> None:
+    def __init__(self, folder: Path, weights: bytes, device: torch.device,
+                 dtype: torch.dtype = torch.float32) -> None:
         """``weights``: the bytes of ``folder``'s model.safetensors (the caller hashes them too)."""
         self.config = BertConfig.read(folder)
         pooling = json.loads((folder / "1_Pooling" / "config.json").read_text())
@@ -55,6 +63,19 @@ class MiniLM:
         self.max_tokens = int(json.loads((folder / "sentence_bert_config.json").read_text())["max_seq_length"])
         self.device = device
         self._w = {name: t.to(device) for name, t in load_safetensors(weights).items()}
+        self.dtype = dtype
+        self._packed: dict[str, torch.Tensor] = {}
+        """Dense layer name -> its weight packed for oneDNN (bf16 on a CPU, where exact)."""
+        if dtype != torch.float32:
+            for name in [n[: -len(".weight")] for n in self._w if n.startswith("encoder.") and n.endswith(".weight")
+                         and self._w[n].dim() == 2]:
+                w = self._w[name + ".weight"] = self._w[name + ".weight"].to(dtype)
+                b = self._w[name + ".bias"] = self._w[name + ".bias"].to(dtype)
+                packed = pack_weight(w)
+                if packed is not None and packing_is_exact(w, b, packed):
+                    self._packed[name] = packed
+        self.packed = bool(self._packed)
+        """Whether the dense layers run on packed weights."""
         self.dim = self.config.hidden_size
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_truncation()  # the package's file truncates to 128 and pads to 128
@@ -109,7 +130,15 @@ class MiniLM:
         return out.transpose(1, 2).reshape(b, t, -1)
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
-        return F.linear(x, self._w[name + ".weight"], self._w[name + ".bias"])
+        """x: [B, T, in] float32 -> [B, T, out] float32, the product in the weights' dtype."""
+        w, b = self._w[name + ".weight"], self._w[name + ".bias"]
+        if w.dtype == x.dtype:
+            return F.linear(x, w, b)
+        packed = self._packed.get(name)
+        if packed is None:
+            return F.linear(x.to(w.dtype), w, b).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1]).to(w.dtype)  # [B*T, in]
+        return packed_linear(rows, packed, b).to(x.dtype).view(*x.shape[:-1], -1)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
         return F.layer_norm(x, (x.shape[-1],), self._w[name + ".weight"], self._w[name + ".bias"],

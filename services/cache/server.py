@@ -248,7 +248,8 @@ class CacheServicer(cache_pb2_grpc.CacheServicer):
         return cache_pb2.CacheInfoResponse(
             embedding_model=self._embedder.model_id, similarity_threshold=rule.similarity_threshold,
             key_term_guard=rule.key_term_guard, index_kind=self._config.index.index_kind,
-            entries=self._cache.num_entries, shared_across_tenants=self._config.record.shared_across_tenants)
+            entries=self._cache.num_entries, shared_across_tenants=self._config.record.shared_across_tenants,
+            embedding_dtype=self._embedder.dtype, embedding_dtype_reason=self._embedder.dtype_reason)
 
 
 def open_semantic_cache(config: CacheConfig, embedder_id: str, dim: int, on_remove: RemovalHook) -> SemanticCache:
@@ -265,7 +266,8 @@ async def create_server(
     index and closes the file. ``embedder`` and ``metrics`` are given by tests."""
     faiss.omp_set_num_threads(config.index_threads)
     if embedder is None:
-        embedder = await asyncio.to_thread(Embedder, config.embedding_device, config.embedding_threads)
+        embedder = await asyncio.to_thread(Embedder, config.embedding_device, config.embedding_threads,
+                                           config.embedding_dtype)
     log_startup("loaded")
     await asyncio.to_thread(embedder.encode_one, "warm-up")  # first forward pass allocates
     log_startup("warmed")
@@ -288,7 +290,8 @@ async def create_server(
 
     handle.on_close.append(close)
     log.info("cache_opened", path=str(config.resolved_db_path()), entries=cache.num_entries,
-             index=cache.index_source, embedding_model=embedder.model_id,
+             index=cache.index_source, embedding_model=embedder.model_id, embedding_dtype=embedder.dtype,
+             embedding_dtype_reason=embedder.dtype_reason, embedding_packed=embedder.packed,
              threshold=config.match_rule.similarity_threshold)
     return handle
 

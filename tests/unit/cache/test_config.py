@@ -16,7 +16,7 @@ PUBLIC_SETTINGS = {
     "ttl_s", "max_entries", "max_entry_bytes", "shared_across_tenants", "purge_old_versions", "feedback_evict_after",
     "similarity_threshold", "key_term_guard", "candidates",
     "index_kind", "hnsw_m", "hnsw_ef_construction", "hnsw_ef_search", "index_build_threads",
-    "embedding_device", "embedding_threads", "index_threads", "query_cache_size", "lookup_delay_ms",
+    "embedding_device", "embedding_dtype", "embedding_threads", "index_threads", "query_cache_size", "lookup_delay_ms",
 }
 
 
@@ -53,7 +53,7 @@ def test_each_default_lives_in_its_part() -> None:
     ("index_kind", "ivf"), ("hnsw_m", 2), ("hnsw_ef_construction", 4), ("hnsw_ef_search", 2000),
     ("index_build_threads", -1), ("index_build_threads", 257),
     # embedding and threads
-    ("embedding_threads", -1), ("index_threads", 0), ("query_cache_size", -1),
+    ("embedding_dtype", "int8"), ("embedding_threads", -1), ("index_threads", 0), ("query_cache_size", -1),
     # the test setting
     ("lookup_delay_ms", -1), ("lookup_delay_ms", 60_001),
     # lifecycle

@@ -13,12 +13,14 @@ import pytest
 from grpc import aio
 from prometheus_client import CollectorRegistry
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.common.server import ServiceHandle
 from aiserve.v1 import cache_pb2, cache_pb2_grpc, common_pb2
 from services.cache.component_config import DEFAULT_SIMILARITY_THRESHOLD
 from services.cache.embedder import Embedder
 from services.cache.entry import CacheScope
 from services.cache.metrics import CacheMetrics
+from services.cache.precision import choose_dtype
 from services.cache.server import CacheServicer, create_server, open_semantic_cache
 from tests.unit.cache.support import SCOPE_PB, STOP, TIMEOUT_S, Q, config_for, lookup, store, store_messages
 
@@ -198,6 +200,8 @@ async def test_invalidate_feedback_and_info(stub: cache_pb2_grpc.CacheStub) -> N
     assert info.entries == 2 and info.similarity_threshold == pytest.approx(DEFAULT_SIMILARITY_THRESHOLD)
     assert info.key_term_guard and info.index_kind == "flat" and not info.shared_across_tenants
     assert info.embedding_model.startswith("all-MiniLM-L6-v2@")
+    chosen, why = choose_dtype("cpu", read_cpu_flags(), "auto")  # the service's embedder chose for this CPU
+    assert (info.embedding_dtype, info.embedding_dtype_reason) == (chosen, why)
 
     feedback = await stub.ReportFeedback(cache_pb2.CacheFeedbackRequest(entry_id=first, negative=True,
                                                                         similarity=0.93), timeout=TIMEOUT_S)

@@ -28,6 +28,7 @@ class HeldEmbedder(Embedder):
     def __init__(self, inner: Embedder) -> None:  # no super().__init__: the model is ``inner``'s
         self._inner = inner
         self.model_id, self.dim, self.max_tokens = inner.model_id, inner.dim, inner.max_tokens
+        self.dtype, self.dtype_reason, self.packed = inner.dtype, inner.dtype_reason, inner.packed
         self.open = threading.Event()
         self.open.set()
         self.entered = threading.Event()
