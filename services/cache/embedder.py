@@ -6,9 +6,9 @@ Loaded once per process (~0.3 s after torch), then ``encode`` turns texts into u
 (384 float32), so that inner product = cosine similarity. It blocks; asyncio callers use a
 worker thread.
 
-Its products run in the precision ``precision.choose_dtype`` picks for the machine (``embedding_dtype``
-"auto"): bf16 on oneDNN-packed weights where the CPU has bf16 instructions, float32 elsewhere
-(docs/cache.md, "The embedding's precision").
+Its products run in the precision ``precision.choose_dtype`` picks for the machine
+(``embedding_dtype`` "auto"): bf16 on oneDNN-packed weights where the CPU has bf16
+instructions, float32 elsewhere (docs/cache.md, "The embedding's precision").
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ _BATCH = 64
 
 Vector = npt.NDArray[np.float32]
 """One embedding: float32 [dim], L2-normalised."""
-
 
 
 def model_path() -> Path:

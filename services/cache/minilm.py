@@ -63,7 +63,6 @@ class MiniLM:
         self.max_tokens = int(json.loads((folder / "sentence_bert_config.json").read_text())["max_seq_length"])
         self.device = device
         self._w = {name: t.to(device) for name, t in load_safetensors(weights).items()}
-        self.dtype = dtype
         self._packed: dict[str, torch.Tensor] = {}
         """Dense layer name -> its weight packed for oneDNN (bf16 on a CPU, where exact)."""
         if dtype != torch.float32:
