@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 from tokenizers import Tokenizer
 
-from aiserve.common.onednn import pack_weight, packed_linear, packing_is_exact
+from aiserve.common.onednn import build_kernels, pack_weight, packed_linear, packing_is_exact
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -75,6 +75,14 @@ class MiniLM:
                     self._packed[name] = packed
         self.packed = bool(self._packed)
         """Whether the dense layers run on packed weights."""
+        if self._packed:
+            # oneDNN builds a kernel per weight shape and row count the first time it meets them
+            # (~1 ms each, ~3 ms on an embedding of a new length): build them now for every
+            # bucketed row count one text can have, on one weight of each shape (the kernels
+            # are the shape's, not the weight's).
+            shapes = {self._w[name + ".weight"].shape: name for name in self._packed}
+            build_kernels([(self._w[name + ".weight"], self._packed[name], self._w[name + ".bias"])
+                           for name in shapes.values()], self.max_tokens)
         self.dim = self.config.hidden_size
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_truncation()  # the package's file truncates to 128 and pads to 128
