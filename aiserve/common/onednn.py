@@ -37,6 +37,13 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def pack_exact(w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+    """``pack_weight(w)`` where its product equals ``F.linear`` bit for bit
+    (``packing_is_exact``), else None: the weight to run packed, or run it unpacked."""
+    packed = pack_weight(w)
+    return packed if packed is not None and packing_is_exact(w, b, packed) else None
+
+
 def bucket_rows(rows: int) -> int:
     """The row count a packed product runs with: ``rows`` up to 32, then rounded up to one of
     four steps per power of two (40, 48, 56, 64, 80, ...), so at most 25% more rows.

@@ -9,6 +9,7 @@ from pathlib import Path
 from aiserve.common.config import ServiceConfig, require
 from aiserve.common.paths import CACHE_DB_FILE, home_file
 from services.cache.component_config import IndexParams, MatchRule, RecordConfig
+from services.cache.precision import AUTO as EMBEDDING_AUTO
 from services.cache.precision import DTYPES as EMBEDDING_DTYPES
 
 
@@ -38,9 +39,9 @@ class CacheConfig(ServiceConfig):
     ``hnsw_ef_search``, ``index_build_threads``."""
     embedding_device: str = "cpu"
     """torch device of the embedding model."""
-    embedding_dtype: str = "auto"
+    embedding_dtype: str = EMBEDDING_AUTO
     """dtype of the embedding model's products: "auto" (bfloat16 where the CPU has bf16
-    instructions, else float32: ``embedder.choose_dtype``), "float32" or "bfloat16"."""
+    instructions, else float32: ``precision.choose_dtype``), "float32" or "bfloat16"."""
     embedding_threads: int = 1
     """torch threads of the embedding model (the suite gives the cores to inference); 0 = torch's default."""
     index_threads: int = 1
@@ -59,7 +60,7 @@ class CacheConfig(ServiceConfig):
         self.record.validate()
         self.match_rule.validate()
         self.index.validate()
-        require(self.embedding_dtype in ("auto", *EMBEDDING_DTYPES),
+        require(self.embedding_dtype in (EMBEDDING_AUTO, *EMBEDDING_DTYPES),
                 f"embedding_dtype: must be auto, {' or '.join(EMBEDDING_DTYPES)}, got {self.embedding_dtype!r}")
         require(0 <= self.embedding_threads <= 256, f"embedding_threads: must be 0..256, got {self.embedding_threads}")
         require(1 <= self.index_threads <= 256, f"index_threads: must be 1..256, got {self.index_threads}")

@@ -48,17 +48,15 @@ class Embedder:
     file); it is part of every cache namespace, so other weights never meet these vectors.
     """
 
-    def __init__(self, device: str = "cpu", threads: int = 1, dtype: str = AUTO,
-                 cpu_flags: frozenset[str] | None = None) -> None:
-        """``dtype``: "auto", "float32" or "bfloat16"; ``cpu_flags`` (tests) default to this CPU's."""
+    def __init__(self, device: str = "cpu", threads: int = 1, dtype: str = AUTO) -> None:
+        """``dtype``: "auto" (this machine's choice), "float32" or "bfloat16"."""
         import torch  # here, not at import: the service's other modules need no torch
 
         from services.cache.minilm import WEIGHTS_FILE, MiniLM
 
         if threads > 0:
             torch.set_num_threads(threads)
-        flags = read_cpu_flags() if cpu_flags is None else cpu_flags
-        self.dtype, self.dtype_reason = choose_dtype(device, flags, dtype)
+        self.dtype, self.dtype_reason = choose_dtype(device, read_cpu_flags(), dtype)
         """The dtype the products run in, and one line saying why."""
         path = model_path()
         weights = (path / WEIGHTS_FILE).read_bytes()

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 from tokenizers import Tokenizer
 
-from aiserve.common.onednn import build_kernels, pack_weight, packed_linear, packing_is_exact
+from aiserve.common.onednn import build_kernels, pack_exact, packed_linear
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -70,8 +70,7 @@ class MiniLM:
                          and self._w[n].dim() == 2]:
                 w = self._w[name + ".weight"] = self._w[name + ".weight"].to(dtype)
                 b = self._w[name + ".bias"] = self._w[name + ".bias"].to(dtype)
-                packed = pack_weight(w)
-                if packed is not None and packing_is_exact(w, b, packed):
+                if (packed := pack_exact(w, b)) is not None:
                     self._packed[name] = packed
         self.packed = bool(self._packed)
         """Whether the dense layers run on packed weights."""

@@ -3,7 +3,7 @@
 
 Each matrix product is a ``Linear``: the weight in the model dtype, plus a float32 copy where
 the model runs its larger products wider (``matmul_dtype``), or a oneDNN-packed copy where
-``aiserve.common.onednn.pack_weight`` gives an exact one.
+``aiserve.common.onednn.pack_exact`` gives an exact one.
 
 A quantized version (``aiserve models quantize``, services/inference/quantize.py) stores its
 products already fused, under the names ``fused_products`` gives, as torchao tensor subclasses
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from aiserve.common.onednn import pack_weight, packed_linear, packing_is_exact
+from aiserve.common.onednn import pack_exact, packed_linear
 from services.inference.llama_config import LlamaConfig
 
 
@@ -29,7 +29,7 @@ from services.inference.llama_config import LlamaConfig
 class Linear:
     """``x @ w.T + b`` with ``w`` [out, in] in the model dtype, plus the float32 copies
     ``w_wide``/``b_wide`` when the model has a wider matmul dtype (None otherwise), and
-    ``packed``, ``w`` in oneDNN's layout, where ``pack_weight`` gives one."""
+    ``packed``, ``w`` in oneDNN's layout, where ``pack_exact`` gives one."""
 
     w: torch.Tensor
     b: torch.Tensor | None = None
@@ -205,7 +205,7 @@ class _WeightReader:
     def _packed(self, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
         if not self._can_pack:
             return None
-        if (p := pack_weight(w)) is None or not packing_is_exact(w, b, p):
+        if (p := pack_exact(w, b)) is None:
             self._can_pack = False
             return None
         return p
