@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiserve.common.cpu import isa_caps, read_cpu_flags
 from aiserve.common.logging import configure_logging
 
 
@@ -29,13 +30,19 @@ _CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def machine() -> dict[str, Any]:
-    """The machine a benchmark ran on: CPU model and the flags that matter, cores, load."""
+    """The machine a benchmark ran on: CPU model and the flags that matter, cores, load; where
+    the environment caps the instruction set (``aiserve.common.cpu.isa_caps``), the caps and the
+    flags the kernels may use under them."""
     lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
     cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
                platform.processor())
     flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_flags": [f for f in _CPU_FLAGS if f in flags],
-            "cores": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()}
+    described = {"platform": platform.platform(), "cpu": cpu, "cpu_flags": [f for f in _CPU_FLAGS if f in flags],
+                 "cores": os.cpu_count(), "python": platform.python_version(), "load_average": os.getloadavg()}
+    if caps := isa_caps():
+        usable = read_cpu_flags()
+        described |= {"isa_caps": list(caps), "usable_cpu_flags": [f for f in _CPU_FLAGS if f in usable]}
+    return described
 
 
 @dataclass

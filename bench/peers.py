@@ -40,13 +40,14 @@ from typing import Any
 
 from grpc import aio
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
 from bench.measure import RESULTS, Timing, machine, median_run, run_and_write, run_schedule
 from bench.openai_stream import chat_stream
 from bench.served import Served, start_suite
-from bench.vllm_peer import VllmServer, VllmSettings, install
+from bench.vllm_peer import VllmServer, VllmSettings, install, isa_shim
 from bench.workload import Arrival
 
 PEERS = Path(__file__).resolve().parent.parent / "var" / "peers"
@@ -122,8 +123,9 @@ def vllm_configs(names: Sequence[str]) -> list[VllmSettings]:
 def default_vllm_configs() -> list[str]:
     """float32 eager (what the peer's CPU build runs correctly everywhere) and, where the CPU has
     bf16 instructions, bf16 with torch.compile (its fastest there; on an AVX2-only CPU it answers
-    wrongly, so it is not measured there)."""
-    flags = set(machine()["cpu_flags"])
+    wrongly, so it is not measured there; nor under an instruction-set cap that hides them)."""
+    described = machine()
+    flags = set(described.get("usable_cpu_flags", described["cpu_flags"]))
     return ["float32:eager", *(["bfloat16:compile"] if flags & {"avx512_bf16", "amx_bf16"} else [])]
 
 
@@ -189,6 +191,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                               "peers": []}
     with tempfile.TemporaryDirectory() as home:
+        shim = isa_shim(Path(home) / "peer-isa", read_cpu_flags())
         started = time.perf_counter()
         suite = await start_suite(Path(home), store)
         try:
@@ -200,9 +203,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             for settings in vllm_configs(args.vllm or default_vllm_configs()):
                 print(f"vLLM {settings.dtype}, {'eager' if settings.enforce_eager else 'compile'} ...", flush=True)
                 log = RESULTS / f"peers-vllm-{settings.dtype}-{'eager' if settings.enforce_eager else 'compile'}.log"
-                with VllmServer(vllm, folder, free_port(), settings, log) as server:
+                with VllmServer(vllm, folder, free_port(), settings, log, shim) as server:
                     ready_s = round(server.wait_ready(900), 1)
-                    peer: dict[str, Any] = {"settings": {**settings.describe(), "ready_s": ready_s}}
+                    peer: dict[str, Any] = {"settings": {**settings.describe(), "ready_s": ready_s,
+                                                         "cpu_probes_capped": shim is not None}}
                     _, peer["answer"] = await chat_stream("127.0.0.1", server.port, server.model_name, CHECK, 16, 60)
                     if is_right(peer["answer"]):
                         peer.update(await compare(served, server, workloads, args.rounds))
@@ -244,8 +248,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axis.set_title(title)
         axis.legend(fontsize=8)
     m = report["machine"]
+    caps = f", capped {' '.join(m['isa_caps'])}: {' '.join(m['usable_cpu_flags'])}" if m.get("isa_caps") else ""
     fig.suptitle(f"aiserve vs vLLM's CPU build, same run, {report['date']}: {m['cpu']}, {m['cores']} cores, "
-                 f"{' '.join(m['cpu_flags'])}", fontsize=9)
+                 f"{' '.join(m['cpu_flags'])}{caps}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

