@@ -158,6 +158,10 @@ def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str |
 
 def packs_weights(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") -> bool:
     """Whether the inference service keeps oneDNN-packed copies of weights served in ``dtype``
-    on this machine: bfloat16 on a CPU with bf16 dot-product instructions (AMX or AVX512_BF16),
-    where the service's "auto" precision multiplies packed bf16 (docs/engine.md)."""
-    return device == "cpu" and dtype in ("bf16", "bfloat16") and bool(cpu_flags & {"avx512_bf16", "amx_bf16"})
+    on this machine: float32 on any CPU (oneDNN's float32 products on packed weights, not MKL's),
+    bfloat16 on a CPU with bf16 dot-product instructions (AMX or AVX512_BF16), where the
+    service's "auto" precision multiplies packed bf16 (docs/engine.md)."""
+    if device != "cpu":
+        return False
+    bf16_instructions = bool(cpu_flags & {"avx512_bf16", "amx_bf16"})
+    return dtype in ("f32", "float32") or (dtype in ("bf16", "bfloat16") and bf16_instructions)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load as load_safetensors
 from tokenizers import Tokenizer
 
-from aiserve.common.onednn import build_kernels, pack_exact, packed_linear
+from aiserve.common.onednn import build_kernels, pack_checked, packed_linear
 
 WEIGHTS_FILE = "model.safetensors"
 
@@ -64,14 +64,14 @@ class MiniLM:
         self.device = device
         self._w = {name: t.to(device) for name, t in load_safetensors(weights).items()}
         self._packed: dict[str, torch.Tensor] = {}
-        """Dense layer name -> its weight packed for oneDNN (bf16 on a CPU, where exact)."""
-        if dtype != torch.float32:
-            for name in [n[: -len(".weight")] for n in self._w if n.startswith("encoder.") and n.endswith(".weight")
-                         and self._w[n].dim() == 2]:
-                w = self._w[name + ".weight"] = self._w[name + ".weight"].to(dtype)
-                b = self._w[name + ".bias"] = self._w[name + ".bias"].to(dtype)
-                if (packed := pack_exact(w, b)) is not None:
-                    self._packed[name] = packed
+        """Dense layer name -> its weight packed for oneDNN (on a CPU, where ``pack_checked`` allows)."""
+        for name in [n[: -len(".weight")] for n in self._w if n.startswith("encoder.") and n.endswith(".weight")
+                     and self._w[n].dim() == 2]:
+            w = self._w[name + ".weight"] = self._w[name + ".weight"].to(dtype)
+            b = self._w[name + ".bias"] = self._w[name + ".bias"].to(dtype)
+            if (packed := pack_checked(w, b)) is not None:
+                self._packed[name] = packed
+                del self._w[name + ".weight"]  # the packed copy replaces it: the weights' memory once
         self.packed = bool(self._packed)
         """Whether the dense layers run on packed weights."""
         if self._packed:
@@ -79,9 +79,8 @@ class MiniLM:
             # (~1 ms each, ~3 ms on an embedding of a new length): build them now for every
             # bucketed row count one text can have, on one weight of each shape (the kernels
             # are the shape's, not the weight's).
-            shapes = {self._w[name + ".weight"].shape: name for name in self._packed}
-            build_kernels([(self._w[name + ".weight"], self._packed[name], self._w[name + ".bias"])
-                           for name in shapes.values()], self.max_tokens)
+            shapes = {self._packed[name].shape: name for name in self._packed}
+            build_kernels([(self._packed[name], self._w[name + ".bias"]) for name in shapes.values()], self.max_tokens)
         self.dim = self.config.hidden_size
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_truncation()  # the package's file truncates to 128 and pads to 128
@@ -137,13 +136,11 @@ class MiniLM:
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x: [B, T, in] float32 -> [B, T, out] float32, the product in the weights' dtype."""
-        w, b = self._w[name + ".weight"], self._w[name + ".bias"]
-        if w.dtype == x.dtype:
-            return F.linear(x, w, b)
-        packed = self._packed.get(name)
+        b, packed = self._w[name + ".bias"], self._packed.get(name)
         if packed is None:
+            w = self._w[name + ".weight"]
             return F.linear(x.to(w.dtype), w, b).to(x.dtype)
-        rows = x.reshape(-1, x.shape[-1]).to(w.dtype)  # [B*T, in]
+        rows = x.reshape(-1, x.shape[-1]).to(packed.dtype)  # [B*T, in]
         return packed_linear(rows, packed, b).to(x.dtype).view(*x.shape[:-1], -1)
 
     def _norm(self, x: torch.Tensor, name: str) -> torch.Tensor:

@@ -38,11 +38,14 @@ from aiserve.common.onednn import bucket_rows, build_kernels
 from aiserve.model_facts import CONFIG_FILE
 from services.inference.kv_cache import dequantize_int8, quantize_int8
 from services.inference.llama_config import LlamaConfig, rope_tables
-from services.inference.llama_weights import Layer, build_weights, is_quantized, quantized_dtype, read_tensors
+from services.inference.llama_weights import Layer, Linear, build_weights, is_quantized, quantized_dtype, read_tensors
 from services.inference.native_ops import unsupported
 
-# Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores)
+# Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores);
+# a layer's packed float32 copies from 2 (0.25 against 0.39 ms for a layer's four products at 2
+# rows, 0.29 against 0.25 at 1; the avx512_bf16 EPYC capped to AVX2)
 _WIDE_MIN_ROWS = 4
+_WIDE_MIN_ROWS_PACKED = 2
 _WIDE_MIN_LOGIT_ROWS = 8
 
 
@@ -119,14 +122,16 @@ class LlamaModel:
         weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights)
         self.embed, self.lm_head, self.norm, self.layers = weights.embed, weights.lm_head, weights.norm, weights.layers
         self._linears = weights.linears()
-        self.packed_weights = all(x.packed is not None for x in self._linears)
-        """Whether every matmul runs on a oneDNN-packed weight."""
+        self.packed_weights = all(x.packed is not None or x.packed_wide is not None for x in self._linears)
+        """Whether every matmul runs on a oneDNN-packed weight (its float32 copy's, where it has one)."""
         self.layers_in_cpp = self.native_ops and not any(is_quantized(x.w) for x in self._linears)
         """Whether a decode-only step runs its loop over layers in one call of our op
         (``torch.ops.aiserve.decode_layers``), the same ops without the Python between them; a
         quantized version's products run on torchao's Python tensor subclasses, so not there."""
         self._norms = [w for layer in self.layers for w in (layer.ln_attn, layer.ln_mlp)]
         self._products = {wide: _product_lists(self.layers, wide) for wide in (False, True)}
+        self._wide_min_rows = (_WIDE_MIN_ROWS_PACKED if all(x.packed_wide is not None for x in self._linears[1:])
+                               else _WIDE_MIN_ROWS)
         self._cos, self._signed_sin = rope_tables(config, device)  # [P, D] each, float32
 
     def prepare_kernels(self, max_rows: int, max_logit_rows: int | None = None) -> int:
@@ -135,14 +140,11 @@ class LlamaModel:
         ``max_logit_rows`` (the most logits a step asks for; None = ``max_rows``), so oneDNN
         builds its kernels now and not while serving. Returns the number of products run (0
         when nothing is packed). Call it on the torch thread."""
-        shapes: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
-        for x in self._linears[1:]:  # the lm_head is first
-            if x.packed is not None:
-                shapes.setdefault((x.w.shape[0], x.w.shape[1]), (x.w, x.packed, x.b))
-        head = self.lm_head
+        head, *linears = _packed_products(self._linears)  # the lm_head is first
         # The lm_head at rows it never sees was ~57% of this work (0.47 of 0.82 CPU s; docs/engine.md)
         head_rows = min(max_rows, max_logit_rows or max_rows)
-        num_head = build_kernels([(head.w, head.packed, head.b)], head_rows) if head.packed is not None else 0
+        num_head = build_kernels([head], head_rows) if head is not None else 0
+        shapes = {(p.shape, p.dtype): (p, b) for p, b in filter(None, linears)}  # a kernel per shape and dtype
         return num_head + build_kernels(list(shapes.values()), max_rows)
 
     @classmethod
@@ -175,7 +177,7 @@ class LlamaModel:
         h = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
         cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
-        wide = n >= _WIDE_MIN_ROWS
+        wide = n >= self._wide_min_rows
         if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
                 and batch.single_lens is not None):  # decode rows only, one token a slot: no masks
             h = torch.ops.aiserve.decode_layers(
@@ -273,6 +275,13 @@ class LlamaModel:
             )  # [1, KVH, G*t, D]
             result[a : a + t] = o.view(kvh, g, t, d).permute(2, 0, 1, 3).reshape(t, c.num_heads * d)
         return result
+
+
+def _packed_products(linears: list[Linear]) -> list[tuple[torch.Tensor, torch.Tensor | None] | None]:
+    """Each product's packed weight and bias as ``onednn.build_kernels`` takes them, the float32
+    copy's where there is one; None for a product that is not packed."""
+    return [(x.packed_wide, x.b_wide) if x.packed_wide is not None else
+            (x.packed, x.b) if x.packed is not None else None for x in linears]
 
 
 def _product_lists(layers: list[Layer], wide: bool) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[int]]:

@@ -3,7 +3,8 @@
 
 Each matrix product is a ``Linear``: the weight in the model dtype, plus a float32 copy where
 the model runs its larger products wider (``matmul_dtype``), or a oneDNN-packed copy where
-``aiserve.common.onednn.pack_exact`` gives an exact one.
+``aiserve.common.onednn.pack_checked`` gives one that computes ``F.linear``'s product; the
+float32 copy is itself kept packed where it can be.
 
 A quantized version (``aiserve models quantize``, services/inference/quantize.py) stores its
 products already fused, under the names ``fused_products`` gives, as torchao tensor subclasses
@@ -21,24 +22,28 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
-from aiserve.common.onednn import pack_exact, packed_linear
+from aiserve.common.onednn import pack_checked, packed_linear
 from services.inference.llama_config import LlamaConfig
 
 
 @dataclass(frozen=True, slots=True)
 class Linear:
-    """``x @ w.T + b`` with ``w`` [out, in] in the model dtype, plus the float32 copies
-    ``w_wide``/``b_wide`` when the model has a wider matmul dtype (None otherwise), and
-    ``packed``, ``w`` in oneDNN's layout, where ``pack_exact`` gives one."""
+    """``x @ w.T + b`` with ``w`` [out, in] in the model dtype; when the model has a wider matmul
+    dtype, the float32 copies: ``w_wide``/``b_wide``, or ``b_wide`` and ``packed_wide``, the copy
+    in oneDNN's layout (then ``w_wide`` is None: one copy is enough); and ``packed``, ``w`` in
+    oneDNN's layout, where ``pack_checked`` gives one."""
 
     w: torch.Tensor
     b: torch.Tensor | None = None
     w_wide: torch.Tensor | None = None
     b_wide: torch.Tensor | None = None
     packed: torch.Tensor | None = None
+    packed_wide: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
         """x [M, in] -> [M, out]; ``wide``: use the float32 copy if there is one."""
+        if wide and self.packed_wide is not None:
+            return packed_linear(x.to(torch.float32), self.packed_wide, self.b_wide).to(x.dtype)
         if wide and self.w_wide is not None:
             return F.linear(x.to(self.w_wide.dtype), self.w_wide, self.b_wide).to(x.dtype)
         if self.packed is not None:
@@ -48,6 +53,8 @@ class Linear:
     def plan(self, wide: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The weight, bias and ``PRODUCT_MODES`` index ``__call__`` runs with for ``wide``, for
         the C++ layer loop (csrc/decode_layers.cpp), which makes the same choice's product."""
+        if wide and self.packed_wide is not None:
+            return self.packed_wide, self.b_wide, PRODUCT_MODES.index("wide_packed")
         if wide and self.w_wide is not None:
             return self.w_wide, self.b_wide, PRODUCT_MODES.index("wide")
         if self.packed is not None:
@@ -55,9 +62,9 @@ class Linear:
         return self.w, self.b, PRODUCT_MODES.index("plain")
 
 
-PRODUCT_MODES = ("plain", "packed", "wide")
+PRODUCT_MODES = ("plain", "packed", "wide", "wide_packed")
 """How a product runs, in csrc/decode_layers.cpp's numbering: F.linear on ``w``, oneDNN on
-``packed``, F.linear on the float32 copy."""
+``packed``, F.linear on the float32 copy, oneDNN on the packed float32 copy."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,16 +149,16 @@ def build_weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device:
 
 
 class _WeightReader:
-    """Takes tensors by name, fuses and converts them; packs where packing is exact.
+    """Takes tensors by name, fuses and converts them; packs where ``pack_checked`` allows.
 
-    Packing applies to products in the model dtype only (not the float32 copies); after one
-    weight fails to pack exactly, the rest are not tried.
+    Packing applies to the products in the model dtype or, where the model has a wider matmul
+    dtype, to their float32 copies; after one weight fails the check, the rest are not tried.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                  matmul_dtype: torch.dtype, pack_weights: bool) -> None:
         self._tensors, self._device, self._dtype, self._matmul_dtype = tensors, device, dtype, matmul_dtype
-        self._can_pack = pack_weights and matmul_dtype == dtype
+        self._can_pack = pack_weights
 
     def layer(self, i: int) -> Layer:
         """Decoder layer ``i``, its tensors read in the order of its fields."""
@@ -169,7 +176,7 @@ class _WeightReader:
     def tied_head(self, embed: torch.Tensor) -> Linear:
         """The lm_head that shares the embedding (a packed copy is the layout's own buffer)."""
         if self._matmul_dtype != self._dtype:
-            return Linear(embed, None, embed.to(self._matmul_dtype))
+            return self._wide(embed, None)
         return Linear(embed, None, None, packed=self._packed(embed, None))
 
     def linear(self, names: Sequence[str], bias: bool = True, fused: str | None = None) -> Linear:
@@ -184,7 +191,7 @@ class _WeightReader:
             return Linear(w, b)  # torchao's kernel: no float32 copy, no packing
         if self._matmul_dtype == self._dtype:
             return Linear(w, b, packed=self._packed(w, b))
-        return Linear(w, b, w.to(self._matmul_dtype), None if b is None else b.to(self._matmul_dtype))
+        return self._wide(w, b)
 
     def vector(self, name: str) -> torch.Tensor:
         """The named tensor (a norm weight or the embedding)."""
@@ -202,10 +209,17 @@ class _WeightReader:
         # copy=True: never keep a buffer backed by the file mapping
         return torch.cat([self._tensors[n] for n in names]).to(device=self._device, dtype=self._dtype, copy=True)
 
+    def _wide(self, w: torch.Tensor, b: torch.Tensor | None) -> Linear:
+        """``w``'s product with its copies in the matmul dtype, the weight's packed where it can be."""
+        w_wide, b_wide = w.to(self._matmul_dtype), None if b is None else b.to(self._matmul_dtype)
+        if (packed := self._packed(w_wide, b_wide)) is not None:
+            return Linear(w, b, None, b_wide, packed_wide=packed)
+        return Linear(w, b, w_wide, b_wide)
+
     def _packed(self, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
         if not self._can_pack:
             return None
-        if (p := pack_exact(w, b)) is None:
+        if (p := pack_checked(w, b)) is None:
             self._can_pack = False
             return None
         return p

@@ -98,5 +98,6 @@ def test_packed_serving_adds_the_packed_copy_and_its_kernels() -> None:
     assert packs_weights("bf16", frozenset({"avx2", "avx512_bf16"}))
     assert packs_weights("bfloat16", frozenset({"amx_bf16"}))
     assert not packs_weights("bf16", frozenset({"avx2", "avx512f"}))  # no bf16 instructions: unpacked
-    assert not packs_weights("f32", frozenset({"avx512_bf16"}))
+    assert packs_weights("f32", frozenset({"avx2"})) and packs_weights("float32", frozenset())  # oneDNN's float32
     assert not packs_weights("bf16", frozenset({"avx512_bf16"}), device="cuda")
+    assert not packs_weights("f32", frozenset({"avx2"}), device="cuda")

@@ -21,8 +21,9 @@
 namespace {
 
 // How a layer's product runs (llama_weights.Linear): F.linear on the weight; oneDNN on the packed
-// weight; F.linear on the float32 copy, the input widened and the result rounded back.
-enum Mode : int64_t { kPlain = 0, kPacked = 1, kWide = 2 };
+// weight; F.linear on the float32 copy, the input widened and the result rounded back; oneDNN on
+// the packed float32 copy, the same way.
+enum Mode : int64_t { kPlain = 0, kPacked = 1, kWide = 2, kWidePacked = 3 };
 
 at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   static const c10::OperatorHandle op =
@@ -38,6 +39,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
                   int64_t padded) {
   if (mode == kWide) return at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
   if (mode == kPlain) return at::linear(x, w, b);
+  if (mode == kWidePacked) return linear(x.to(w.scalar_type()), w, b, kPacked, padded).to(x.scalar_type());
   const int64_t rows = x.size(0);
   if (padded == rows) return packed(x.contiguous(), w, b);
   return packed(at::cat({x, x.new_zeros({padded - rows, x.size(1)})}), w, b).narrow(0, 0, rows);

@@ -1,4 +1,4 @@
-"""The CPU kernel helpers: row buckets and packed bf16 weights."""
+"""The CPU kernel helpers: row buckets and packed bf16 and float32 weights."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from aiserve.common.onednn import (
     bucket_rows,
     build_kernels,
     kernel_buckets,
+    pack_checked,
     pack_weight,
     packed_linear,
+    packing_is_close,
     packing_is_exact,
 )
 
@@ -33,12 +35,28 @@ def test_kernel_buckets_are_every_bucket_once_up_to_the_cap() -> None:
     assert kernel_buckets(10**6)[-1] == PREPARE_MAX_ROWS  # larger steps build theirs when they run
 
 
-def test_only_bf16_cpu_weights_are_packed() -> None:
-    assert pack_weight(torch.ones(8, 8)) is None  # float32: F.linear is already fast
+def test_bf16_weights_pack_bit_for_bit() -> None:
+    assert pack_weight(torch.ones(8, 8, dtype=torch.float16)) is None  # bf16 and float32 only
     w = torch.randn(8, 16).to(torch.bfloat16)
     if (packed := pack_weight(w)) is None:
-        pytest.skip("no exact oneDNN bf16 packing on this CPU or torch build")
+        pytest.skip("no oneDNN packing in this torch build")
     assert packing_is_exact(w, None, packed)
     x = torch.randn(37, 16).to(torch.bfloat16)  # 37 rows run as a bucket of 40
     assert torch.equal(packed_linear(x, packed, None), F.linear(x, w))
-    assert build_kernels([(w, packed, None)], 64) == len(kernel_buckets(64))
+    assert build_kernels([(packed, None)], 64) == len(kernel_buckets(64))
+
+
+def test_float32_weights_pack_within_float32_rounding() -> None:
+    """F.linear runs MKL's sgemm in float32, the packed weight oneDNN's: another summation
+    order, so the check is closeness; a wrong layout (another weight's packing) fails it."""
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(96, 320, generator=g), torch.randn(96, generator=g)
+    if (packed := pack_checked(w, b)) is None:
+        pytest.skip("no oneDNN packing in this torch build")
+    assert packed.dtype == torch.float32 and packing_is_close(w, b, packed)
+    x = torch.randn(37, 320, generator=g)
+    got, expected = packed_linear(x, packed, b), F.linear(x, w, b)
+    assert torch.allclose(got, expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+    assert not packing_is_close(w, b, pack_weight(torch.randn(96, 320, generator=g)))
+    assert not packing_is_close(w, b, pack_weight(w.t().contiguous().view(96, 320)))  # the transposed layout
+    assert build_kernels([(packed, b)], 40) == len(kernel_buckets(40))

@@ -200,15 +200,18 @@ def decode_step(model: LlamaModel, slots: int, in_cpp: bool) -> tuple[torch.Tens
     return logits, k, v
 
 
-@pytest.mark.parametrize(("dtype", "matmul_dtype"), [(torch.bfloat16, None), (torch.float32, None),
-                                                     (torch.bfloat16, torch.float32)])
-@pytest.mark.parametrize("slots", [3, 5, 33])  # 3: products on the bf16 weights; 5 on the float32 copy; 33 padded
+@pytest.mark.parametrize(("dtype", "matmul_dtype", "pack"), [
+    (torch.bfloat16, None, True), (torch.float32, None, True), (torch.float32, None, False),
+    (torch.bfloat16, torch.float32, True), (torch.bfloat16, torch.float32, False)])
+@pytest.mark.parametrize("slots", [1, 5, 33])  # 1: products on the bf16 weights; 5 on the float32 copy; 33 padded
 def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(model_dir: Path, dtype: torch.dtype,
-                                                           matmul_dtype: torch.dtype | None, slots: int) -> None:
+                                                           matmul_dtype: torch.dtype | None, pack: bool,
+                                                           slots: int) -> None:
     """The same logits and the same K/V written, bit for bit, for each way a product runs (oneDNN
-    on packed bf16 weights, float32, the float32 copy of a bf16 model) and a row count that the
-    packed products pad to their bucket (33 -> 40)."""
-    model = LlamaModel.load(model_dir, CPU, dtype, matmul_dtype, native_ops=True)
+    on packed weights, bf16 or float32; F.linear on the float32 copy of a bf16 model, packed or
+    not, or on a float32 model unpacked) and a row count that the packed products pad to their
+    bucket (33 -> 40)."""
+    model = LlamaModel.load(model_dir, CPU, dtype, matmul_dtype, pack_weights=pack, native_ops=True)
     assert model.layers_in_cpp
     python, cpp = (decode_step(model, slots, in_cpp) for in_cpp in (False, True))
     for theirs, ours in zip(python, cpp, strict=True):
