@@ -14,6 +14,8 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from aiserve.common.cpu import isa_caps, read_cpu_flags
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # (title, JSON file, PNG beside it) in the order the page shows them.
@@ -33,7 +35,9 @@ NOT_MEASURED = "not measured in this run"
 
 
 def machine() -> dict[str, str]:
-    """CPU model and flags, cores and torch version of the machine the figures come from."""
+    """CPU model and flags, cores and torch version of the machine the figures come from, and
+    the instruction-set caps in force with the flags the kernels may use under them
+    (``aiserve.common.cpu``), where there are caps."""
     model, flags = platform.processor() or "unknown", ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,13 +54,18 @@ def machine() -> dict[str, str]:
         torch_version = torch.__version__
     except ImportError:
         torch_version = "absent"
-    return {
+    described = {
         "cpu": model,
         "flags": " ".join(f for f in wanted if f in flags.split()) or "none of interest",
         "cores": str(os.cpu_count() or 0),
         "torch": torch_version,
         "python": platform.python_version(),
     }
+    if caps := isa_caps():
+        usable = read_cpu_flags()
+        described |= {"isa_caps": " ".join(caps),
+                      "usable_flags": " ".join(f for f in wanted if f in usable) or "none of interest"}
+    return described
 
 
 def _rows(data: Any, prefix: str = "") -> list[tuple[str, str]]:
