@@ -41,11 +41,11 @@ from services.inference.llama_config import LlamaConfig, rope_tables
 from services.inference.llama_weights import Layer, Linear, build_weights, is_quantized, quantized_dtype, read_tensors
 from services.inference.native_ops import unsupported
 
-# Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores);
-# a layer's packed float32 copies from 2 (0.25 against 0.39 ms for a layer's four products at 2
-# rows, 0.29 against 0.25 at 1; the avx512_bf16 EPYC capped to AVX2)
+# Rows from which the float32 copy beats an emulated bf16 matmul (measured, AVX2 EPYC, 2 cores).
+# Packed, a layer's copies win alone from 2 rows (0.25 against 0.39 ms for its four products),
+# but one request decoding alone ran ~5% slower with 2 than with 4 (73 against 77 tokens/s,
+# alternated, the avx512_bf16 EPYC capped to AVX2), so 4 stays.
 _WIDE_MIN_ROWS = 4
-_WIDE_MIN_ROWS_PACKED = 2
 _WIDE_MIN_LOGIT_ROWS = 8
 
 
@@ -130,8 +130,6 @@ class LlamaModel:
         quantized version's products run on torchao's Python tensor subclasses, so not there."""
         self._norms = [w for layer in self.layers for w in (layer.ln_attn, layer.ln_mlp)]
         self._products = {wide: _product_lists(self.layers, wide) for wide in (False, True)}
-        self._wide_min_rows = (_WIDE_MIN_ROWS_PACKED if all(x.packed_wide is not None for x in self._linears[1:])
-                               else _WIDE_MIN_ROWS)
         self._cos, self._signed_sin = rope_tables(config, device)  # [P, D] each, float32
 
     def prepare_kernels(self, max_rows: int, max_logit_rows: int | None = None) -> int:
@@ -177,7 +175,7 @@ class LlamaModel:
         h = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
         cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
-        wide = n >= self._wide_min_rows
+        wide = n >= _WIDE_MIN_ROWS
         if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
                 and batch.single_lens is not None):  # decode rows only, one token a slot: no masks
             h = torch.ops.aiserve.decode_layers(
