@@ -54,8 +54,7 @@ def isa_caps(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     """The caps in force, as "NAME=value" (empty where none): the ``ISA_CAP_VARIABLES`` set to a
     value that hides some flag (``ALL``, ``avx512`` and unknown values cap nothing here)."""
     env = os.environ if environ is None else environ
-    return tuple(f"{name}={env[name]}" for name in ISA_CAP_VARIABLES
-                 if _hidden_prefixes(name, env.get(name, "")))
+    return tuple(f"{name}={env[name]}" for name in ISA_CAP_VARIABLES if _hidden_prefixes(name, env.get(name, "")))
 
 
 def caps_note(environ: Mapping[str, str] | None = None) -> str:
@@ -66,15 +65,14 @@ def caps_note(environ: Mapping[str, str] | None = None) -> str:
 
 
 def _hidden_prefixes(name: str, value: str) -> tuple[str, ...]:
-    table = _CAPS[name]
-    return table.get(value.lower() if name == "ATEN_CPU_CAPABILITY" else value.upper(), ())
+    """The prefixes of the flags that ``name`` set to ``value`` leaves unusable."""
+    return _CAPS[name].get(value.lower() if name == "ATEN_CPU_CAPABILITY" else value.upper(), ())
 
 
 def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"), environ: Mapping[str, str] | None = None) -> frozenset[str]:
     """The CPU's flags from the first "flags" line of ``cpuinfo`` (empty where there is none,
     as on ARM, or the file cannot be read), less those an ISA cap in ``environ`` (default: this
     process's environment) leaves unusable."""
-    env = os.environ if environ is None else environ
     try:
         text = cpuinfo.read_text()
     except OSError:
@@ -82,6 +80,7 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo"), environ: Mapping[str, 
     for line in text.splitlines():
         name, _, value = line.partition(":")
         if name.strip() == "flags":
+            env = os.environ if environ is None else environ
             hidden = tuple(p for var in ISA_CAP_VARIABLES for p in _hidden_prefixes(var, env.get(var, "")))
             return frozenset(flag for flag in value.split() if not flag.startswith(hidden))
     return frozenset()

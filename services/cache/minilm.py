@@ -79,8 +79,8 @@ class MiniLM:
             # (~1 ms each, ~3 ms on an embedding of a new length): build them now for every
             # bucketed row count one text can have, on one weight of each shape (the kernels
             # are the shape's, not the weight's).
-            shapes = {self._packed[name].shape: name for name in self._packed}
-            build_kernels([(self._packed[name], self._w[name + ".bias"]) for name in shapes.values()], self.max_tokens)
+            shapes = {packed.shape: (packed, self._w[name + ".bias"]) for name, packed in self._packed.items()}
+            build_kernels(list(shapes.values()), self.max_tokens)
         self.dim = self.config.hidden_size
         self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
         self.tokenizer.no_truncation()  # the package's file truncates to 128 and pads to 128
