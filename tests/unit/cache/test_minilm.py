@@ -104,7 +104,8 @@ def test_bf16_vectors_are_within_0_003_of_float32_and_change_no_calibration_deci
     assert len(alone) == 20 and min(alone) > 0.999  # one at a time (no padding): the same up to rounding
 
 
-def test_packed_products_have_their_kernels_built_at_load() -> None:
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_packed_products_have_their_kernels_built_at_load(dtype: str) -> None:
     # oneDNN builds a kernel the first time it meets a row count (~1 ms each, ~3 ms on an
     # embedding of a new length); its verbose log names each build "cache_miss". After loading,
     # texts of new lengths build none; a batch past one text's longest (3 x 102 rows) still does,
@@ -113,7 +114,7 @@ def test_packed_products_have_their_kernels_built_at_load() -> None:
 import ctypes, sys, torch
 from services.cache.embedder import Embedder
 libc, creation = ctypes.CDLL(None), torch.backends.mkldnn.VERBOSE_ON_CREATION
-e = Embedder(threads=1, dtype="bfloat16")
+e = Embedder(threads=1, dtype=sys.argv[1])
 print("PACKED", e.packed, flush=True)
 with torch.backends.mkldnn.verbose(creation):
     for n in (3, 17, 45, 120, 250):
@@ -124,12 +125,12 @@ with torch.backends.mkldnn.verbose(creation):
     e.encode([" ".join(["word"] * 100)] * 3)
 libc.fflush(None)
 """
-    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", probe, dtype], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     _, _, rest = done.stdout.partition("PACKED ")
     if not rest.startswith("True"):
-        pytest.skip("the products are not packed here (no bf16 instructions)")
+        pytest.skip("the products are not packed here (no oneDNN in this torch build)")
     singles, _, batch = rest.partition("BATCH")
 
     def built(log: str) -> list[str]:
