@@ -9,8 +9,9 @@ for this CPU, Hugging Face in the dtype it runs fastest in here (``--hf-dtype``)
     HF (a few requests, expressed as a rate);
 (b) one request alone vs HF on one request; (c) a mixed workload (arrivals spread over time,
     max_new_tokens 16-256) through the gateway vs static HF batches at the same concurrency,
-    with TTFT and inter-token latency (``--rounds`` runs of each, in turn; medians), and again
-    on a second suite with speculative decoding off, to show what continuous batching alone gives;
+    with TTFT and inter-token latency (``--rounds`` runs through the gateway, medians; each HF
+    batch timed once, the batches spread over the rounds), and again on a second suite with
+    speculative decoding off, to show what continuous batching alone gives;
     (d) the batch-size sweep (in-process engine, fixed-length outputs): throughput and latency
     against max_num_seqs, with the knee marked.
 The gateway has no ignore_eos, so (a)-(c) count useful completion tokens (up to and including
@@ -36,7 +37,7 @@ from aiserve.common.paths import model_store_path
 from aiserve.model_facts import read_model_facts
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.engine_report import add_ratios, plot
-from bench.hf_baseline import HF, best_dtype, hf_sequential, hf_static, hf_static_mixed
+from bench.hf_baseline import HF, best_dtype, hf_sequential, hf_static, static_groups, static_schedule, time_group
 from bench.measure import machine, median_run, run_and_write
 from bench.served import Served, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
@@ -70,16 +71,26 @@ async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argpars
 
 async def run_c(served: Served, hf: HF | None, mixed: Sequence[Arrival], concurrency: int, rounds: int
                 ) -> dict[str, Any]:
-    """(c) the mixed workload in rounds too (one run is ~20 s, and the VM's speed drifts by more
-    than 5%): static HF batches (unless ``hf`` is None), then through the gateway. Not directly
-    against inference: what the gateway costs is (a)'s ``gateway_cost``, and a direct leg here
-    measured it again for ~16 s a round (``make bench`` must fit in 15 minutes)."""
-    runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "gateway": []} if hf else {"gateway": []}
-    for _ in range(rounds):
+    """(c) the mixed workload in rounds (one run is ~20 s, and the VM's speed drifts by more than
+    5%): through the gateway every round, and static HF batches (unless ``hf`` is None) spread
+    over the rounds: batch ``g`` is timed in round ``g % rounds``, before that round's gateway
+    run, and the baseline is the batches replayed on one clock (static_schedule). HF's greedy
+    batches give the same tokens every time, so timing each one every round measured nothing
+    new and took three times as long (~100 s a round in float32). Not directly against
+    inference: what the gateway costs is (a)'s ``gateway_cost``."""
+    groups = static_groups(mixed, concurrency)
+    timed: dict[int, tuple[float, list[list[int]]]] = {}
+    gateway: list[dict[str, Any]] = []
+    for turn in range(rounds):
         if hf is not None:
-            runs["hf_static"].append(hf_static_mixed(hf, mixed, concurrency))
-        runs["gateway"].append(await served.run(mixed, "gateway", concurrency))
-    return {name: median_run(samples) for name, samples in runs.items()}
+            for g in range(turn, len(groups), rounds):
+                timed[g] = time_group(hf, groups[g])
+        gateway.append(await served.run(mixed, "gateway", concurrency))
+    c = {"gateway": median_run(gateway)}
+    if hf is not None:
+        c["hf_static"] = {**static_schedule(groups, [timed[g] for g in range(len(groups))], hf.eos),
+                          "group_timed_in_round": [g % rounds + 1 for g in range(len(groups))]}
+    return c
 
 
 async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], mixed: Sequence[Arrival],

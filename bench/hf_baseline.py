@@ -72,22 +72,34 @@ def hf_sequential(hf: HF, batch: Sequence[Sequence[int]], max_new: int) -> dict[
     return {"requests": len(batch), "useful_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
-def hf_static_mixed(hf: HF, work: Sequence[Arrival], concurrency: int) -> dict[str, Any]:
-    """Static batches of ``concurrency`` in arrival order: a batch starts once its last request
-    has arrived and the previous batch is done, and runs until its longest request ends."""
+def static_groups(work: Sequence[Arrival], concurrency: int) -> list[Sequence[Arrival]]:
+    """The static batches of a workload: ``concurrency`` requests at a time, in arrival order."""
+    return [work[i : i + concurrency] for i in range(0, len(work), concurrency)]
+
+
+def time_group(hf: HF, group: Sequence[Arrival]) -> tuple[float, list[list[int]]]:
+    """One static batch, run until its longest request ends: seconds and each row's new ids."""
+    return hf.generate([a.prompt_ids for a in group], max(a.max_new for a in group))
+
+
+def static_schedule(groups: Sequence[Sequence[Arrival]], timed: Sequence[tuple[float, list[list[int]]]],
+                    eos: frozenset[int]) -> dict[str, Any]:
+    """The static batches replayed on a clock from their timings: a batch starts once its last
+    request has arrived and the previous batch is done, and runs for its measured seconds; a
+    request's first token comes at its batch's first step."""
     clock, tokens, ttft, itl, tpot = 0.0, 0, [], [], []
-    for i in range(0, len(work), concurrency):
-        group = work[i : i + concurrency]
+    for group, (seconds, rows) in zip(groups, timed, strict=True):
         start = max(clock, max(a.at_s for a in group))
-        seconds, rows = hf.generate([a.prompt_ids for a in group], max(a.max_new for a in group))
         clock = start + seconds
         steps = max(len(r) for r in rows)
         for a, row in zip(group, rows, strict=True):
-            n = useful(row, hf.eos, a.max_new)
+            n = useful(row, eos, a.max_new)
             tokens += n
-            ttft.append((start - a.at_s + seconds / steps) * 1000)  # the batch's first step
+            ttft.append((start - a.at_s + seconds / steps) * 1000)
             itl.extend([seconds / steps * 1000] * max(n - 1, 0))
             if n > 1:
                 tpot.append(seconds / steps * 1000)
     return {"useful_tokens": tokens, "seconds": clock, "tokens_per_s": tokens / clock,
-            "ttft": percentiles(ttft), "inter_token": percentiles(itl), "time_per_token": percentiles(tpot)}
+            "ttft": percentiles(ttft), "inter_token": percentiles(itl), "time_per_token": percentiles(tpot),
+            "group_seconds": [round(seconds, 3) for seconds, _ in timed]}
+

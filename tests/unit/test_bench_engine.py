@@ -1,0 +1,79 @@
+"""The engine bench's mixed-workload baseline (bench/engine_bench.py, bench/hf_baseline.py): the
+static batches replayed on one clock, and each batch timed once, spread over the rounds."""
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any, cast
+
+import pytest
+
+from bench.engine_bench import run_c
+from bench.hf_baseline import HF, static_groups, static_schedule
+from bench.served import Served
+from bench.workload import Arrival
+
+EOS = frozenset({0})
+
+
+def arrival(at_s: float, max_new: int, first_id: int = 5) -> Arrival:
+    return Arrival(at_s, f"request at {at_s}", [first_id, 6, 7], max_new)
+
+
+def test_the_batches_are_replayed_on_one_clock() -> None:
+    work = [arrival(0.0, 4), arrival(1.0, 2), arrival(5.0, 3)]
+    groups = static_groups(work, 2)
+    assert [len(g) for g in groups] == [2, 1]
+    # batch 1 waits for its second request (t=1), runs 2 s of 4 steps; batch 2 waits for t=5 and runs 3 s
+    timed = [(2.0, [[9, 9, 9, 9], [9, 0, 8, 8]]), (3.0, [[9, 9, 9]])]
+    result = static_schedule(groups, timed, EOS)
+    assert result["seconds"] == 8.0
+    assert result["useful_tokens"] == 4 + 2 + 3  # the second request stops at its EOS
+    assert result["tokens_per_s"] == 9 / 8.0
+    # first tokens at the end of each batch's first step, from each request's arrival: 1.5, 0.5, 1.0 s
+    assert (result["ttft"]["p50_ms"], result["ttft"]["p99_ms"], result["ttft"]["n"]) == (1000.0, 1500.0, 3)
+    assert result["group_seconds"] == [2.0, 3.0]
+
+
+class FakeHF:
+    """Records which batch it ran and when; each row runs to its limit."""
+
+    eos = EOS
+
+    def __init__(self, events: list[str]) -> None:
+        self.events = events
+
+    def generate(self, batch: Sequence[Sequence[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        self.events.append(f"hf {batch[0][0]}")
+        return 1.0, [[9] * max_new for _ in batch]
+
+
+class FakeServed:
+    def __init__(self, events: list[str]) -> None:
+        self.events, self.speeds = events, iter([30.0, 10.0, 20.0, 40.0])
+
+    async def run(self, work: Sequence[Arrival], via: str, concurrency: int | None = None) -> dict[str, Any]:
+        self.events.append(f"{via} x{len(work)} at {concurrency}")
+        return {"tokens_per_s": next(self.speeds)}
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 3, 4])
+def test_each_static_batch_is_timed_once_over_the_rounds(rounds: int) -> None:
+    work = [arrival(float(i), 2, first_id=i) for i in range(6)]  # three batches of 2, told apart by their first id
+    events: list[str] = []
+    c = asyncio.run(run_c(cast(Served, FakeServed(events)), cast(HF, FakeHF(events)), work, 2, rounds))
+    gateway = "gateway x6 at 2"
+    expected: list[str] = []
+    for turn in range(rounds):
+        expected += [f"hf {2 * g}" for g in range(turn, 3, rounds)] + [gateway]
+    assert events == expected
+    assert c["hf_static"]["group_timed_in_round"] == [g % rounds + 1 for g in range(3)]
+    assert c["hf_static"]["group_seconds"] == [1.0, 1.0, 1.0]
+    assert c["hf_static"]["useful_tokens"] == 12
+    assert len(c["gateway"]["runs_tokens_per_s"]) == rounds
+
+
+def test_without_a_baseline_only_the_gateway_runs() -> None:
+    events: list[str] = []
+    c = asyncio.run(run_c(cast(Served, FakeServed(events)), None, [arrival(0.0, 2)], 1, 3))
+    assert events == ["gateway x1 at 1"] * 3 and "hf_static" not in c
+    assert c["gateway"]["tokens_per_s"] == 20.0  # the median of 30, 10 and 20
