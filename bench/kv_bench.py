@@ -88,9 +88,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _quality(store: ModelStore) -> dict[str, Any]:
-    from suite.evaluate import evaluate  # noqa: PLC0415 - heavy, and only this figure needs it
+    from bench.quality import evaluate_version  # noqa: PLC0415 - heavy, and only this figure needs it
 
-    r = evaluate(store, ModelRef.parse(DEFAULT_MODEL_REF), None, None, kv_dtype="int8")
+    r = evaluate_version(store, ModelRef.parse(DEFAULT_MODEL_REF), kv_dtype="int8")
     return {key: r[key] for key in ("reference_perplexity", "candidate_perplexity", "perplexity_change_pct",
                                     "kl_mean", "kl_max", "top1_agreement", "answer_agreement", "passed")}
 

@@ -29,7 +29,7 @@ def _weight_bytes(store: ModelStore, ref: ModelRef) -> int:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    from suite.evaluate import evaluate  # noqa: PLC0415 - heavy imports, paid by this bench only
+    from bench.quality import evaluate_version  # noqa: PLC0415 - heavy imports, paid by this bench only
     from suite.quantize import decode_speeds, quantize_version  # noqa: PLC0415
 
     real = ModelStore(model_store_path().resolve())
@@ -49,7 +49,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                      "decode_tokens_per_s": speed.tokens_per_s}
             if name != "base":
                 print(f"evaluating {name} ...", flush=True)
-                quality = evaluate(store, ref, None, None)
+                quality = evaluate_version(store, ref)
                 entry.update({key: quality[key] for key in QUALITY_KEYS})
                 entry["speed_ratio"] = speed.tokens_per_s / speeds[0].tokens_per_s
             report[name] = entry

@@ -18,7 +18,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from aiserve.common.paths import aiserve_home, model_store_path
 from aiserve.eval_tasks import TEXT_FILE, Task, load_tasks, load_text, score
@@ -29,6 +29,14 @@ DEFAULT_PPL_BOUND_PCT = {"int8": 1.0, "int4": 5.0}
 UNQUANTIZED_PPL_BOUND_PCT = 1.0
 MAX_TEXT_TOKENS = 1024
 MAX_NEW_TOKENS = 24
+
+if TYPE_CHECKING:
+    from services.inference.evaluation import VersionRun
+
+ReferenceRuns = dict[tuple[str, int, int], "VersionRun"]
+"""Reference runs kept between evaluations in one process, by (the version's folder resolved,
+max_text_tokens, max_new_tokens): a run depends on nothing else, so a benchmark that evaluates
+several candidates against one reference runs that reference once."""
 
 
 @dataclass(frozen=True)
@@ -86,19 +94,23 @@ def reference_of(candidate: Manifest, against: str | None) -> ModelRef:
 
 def evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
              max_text_tokens: int = MAX_TEXT_TOKENS, max_new_tokens: int = MAX_NEW_TOKENS,
-             threads: int = 1, kv_dtype: str = "auto") -> dict[str, Any]:
+             threads: int = 1, kv_dtype: str = "auto", references: ReferenceRuns | None = None) -> dict[str, Any]:
     """The report of ``candidate_ref`` against its reference (both verified first), verdict
     included; ``bounds`` None = the defaults of the candidate's scheme; torch on ``threads``.
     ``kv_dtype`` "int8": the candidate runs on an int8 KV cache (the reference on the model's
-    own dtype), and without ``against`` the reference is the candidate's own version."""
+    own dtype), and without ``against`` the reference is the candidate's own version.
+    ``references``: the reference's run is taken from there when it holds it, and kept there
+    when it does not."""
     from services.inference.offline import torch_threads
 
     with torch_threads(threads):
-        return _evaluate(store, candidate_ref, against, bounds, max_text_tokens, max_new_tokens, kv_dtype)
+        return _evaluate(store, candidate_ref, against, bounds, max_text_tokens, max_new_tokens, kv_dtype,
+                         references)
 
 
 def _evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, bounds: Bounds | None,
-              max_text_tokens: int, max_new_tokens: int, kv_dtype: str = "auto") -> dict[str, Any]:
+              max_text_tokens: int, max_new_tokens: int, kv_dtype: str = "auto",
+              references: ReferenceRuns | None = None) -> dict[str, Any]:
     from services.inference.evaluation import compare_text, run_version
 
     started = time.perf_counter()
@@ -106,7 +118,12 @@ def _evaluate(store: ModelStore, candidate_ref: ModelRef, against: str | None, b
     ref = candidate_ref if kv_dtype != "auto" and not against else reference_of(cand_manifest, against)
     ref_folder, ref_manifest = store.load_path(ref)
     text, tasks = load_text(), load_tasks()
-    reference = run_version(ref_folder, ref_manifest, text, tasks, max_text_tokens, max_new_tokens)
+    key = (str(ref_folder.resolve()), max_text_tokens, max_new_tokens)
+    reference = references.get(key) if references is not None else None
+    if reference is None:
+        reference = run_version(ref_folder, ref_manifest, text, tasks, max_text_tokens, max_new_tokens)
+        if references is not None:
+            references[key] = reference
     candidate = run_version(cand_folder, cand_manifest, text, tasks, max_text_tokens, max_new_tokens, kv_dtype)
     compared = compare_text(reference, candidate)
     scheme = cand_manifest.quantization.get("scheme") if cand_manifest.quantization else None

@@ -137,3 +137,32 @@ def test_an_int8_kv_cache_is_judged_against_the_same_version(tiny_store: tuple[M
     # the same weights on another cache: close, but not the identical run of the version against itself
     assert 0.0 < report["kl_mean"] < 0.05 and report["perplexity_change_pct"] != 0.0
     assert "(KV cache int8)" in out.getvalue()
+
+
+def test_a_reference_run_kept_between_evaluations_is_run_once(tiny_store: tuple[ModelStore, ModelRef],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two candidates against the same reference, sharing ``references``: the reference runs
+    once, and each report is what it is without sharing."""
+    from services.inference import evaluation
+
+    store, ref = tiny_store
+    quantized = quantize_version(store, ref, "int8", force=True).ref
+    alone = [evaluate(store, quantized, None, None, TEXT_TOKENS, NEW_TOKENS),
+             evaluate(store, ref, None, None, TEXT_TOKENS, NEW_TOKENS, kv_dtype="int8")]
+    folders: list[Path] = []
+    real_run = evaluation.run_version
+
+    def counted(folder: Path, *args: Any, **kwargs: Any) -> VersionRun:
+        folders.append(folder.resolve())
+        return real_run(folder, *args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "run_version", counted)
+    references: dict[Any, VersionRun] = {}
+    shared = [evaluate(store, quantized, None, None, TEXT_TOKENS, NEW_TOKENS, references=references),
+              evaluate(store, ref, None, None, TEXT_TOKENS, NEW_TOKENS, kv_dtype="int8", references=references)]
+    base, candidate = store.path(ref).resolve(), store.path(quantized).resolve()
+    assert folders == [base, candidate, base]  # reference, int8 weights, the int8 KV cache's run of the base
+    assert list(references) == [(str(base), TEXT_TOKENS, NEW_TOKENS)]
+    for one, other in zip(alone, shared, strict=True):
+        for key in ("reference_perplexity", "candidate_perplexity", "kl_mean", "top1_agreement", "answer_agreement"):
+            assert one[key] == other[key], key
