@@ -14,10 +14,12 @@ count is read, not guessed). Figures are bytes.
 - resident = what a serving inference process holds (its RSS): the runtime (``RUNTIME_BYTES``)
   + the weights + what loading leaves behind (``LOAD_OVERHEAD`` x the weights) + the KV cache
   with its prefix store (``prefix_fraction`` of the whole, as the service sizes it) + the
-  activations; with ``packed`` (16-bit weights on a CPU with bf16 instructions, where the service
-  multiplies oneDNN-packed copies) + the packed copy + ``PACKED_KERNEL_BYTES``. Checked against
-  the running service's RSS by
-  tests/integration/test_sizing_rss.py (within 15%; docs/quantization.md has the figures).
+  activations; with ``wide`` (a 16-bit model on a CPU without bf16 instructions, which
+  multiplies float32 copies of its weights) + the copies, twice the 16-bit weights' bytes; with
+  ``packed`` (where the service multiplies oneDNN-packed weights: ``packs_weights``) + the
+  packed copy (unless it is the float32 copy, already counted) + ``PACKED_KERNEL_BYTES``.
+  Checked against the running service's RSS by tests/integration/test_sizing_rss.py (within
+  15%; docs/quantization.md has the figures).
 """
 
 from __future__ import annotations
@@ -126,10 +128,11 @@ def shape_of(folder: Path) -> Shape:
 
 def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str | None = None,
              memory: int | None = None, prefix_fraction: float = PREFIX_CACHE_FRACTION,
-             packed: bool = False) -> Estimate:
+             packed: bool = False, wide: bool = False) -> Estimate:
     """Size ``shape`` served in ``dtype`` at ``batch`` sequences of ``context`` tokens (one KV
     slot each, plus a prefix store of ``prefix_fraction`` of the whole KV cache); ``packed``:
-    the service multiplies oneDNN-packed copies of the weights (``packs_weights``)."""
+    the service multiplies oneDNN-packed weights (``packs_weights``); ``wide``: it multiplies
+    float32 copies of 16-bit weights (``keeps_float32_copies``), packed too where ``packed``."""
     if not 0.0 <= prefix_fraction < 1.0:
         raise ValueError(f"prefix_fraction must be in [0, 1), got {prefix_fraction}")
     if context < 1 or batch < 1:
@@ -149,19 +152,36 @@ def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str |
     prefix_store = prefix_share // (PREFIX_BLOCK_TOKENS * kv_per_token) * PREFIX_BLOCK_TOKENS * kv_per_token
     kv_cache = kv_total + prefix_store
     resident = RUNTIME_BYTES + int(weights * (1 + LOAD_OVERHEAD)) + kv_cache + per_sequence_act * batch
+    if wide:
+        resident += int(shape.parameters * 4.0)  # every product's float32 copy (the tied lm_head's too)
     if packed:
-        resident += weights + PACKED_KERNEL_BYTES
+        resident += (0 if wide else weights) + PACKED_KERNEL_BYTES  # a packed float32 copy replaces the copy
     return Estimate(weights=weights, kv_per_token=kv_per_token, kv_total=kv_total,
                     activations=per_sequence_act * batch, recommended_ram=2 * weights, max_batch=max_batch,
                     kv_cache=kv_cache, runtime=RUNTIME_BYTES, resident=resident)
 
 
+_BF16_INSTRUCTIONS = frozenset({"avx512_bf16", "amx_bf16"})
+_SIXTEEN_BIT = ("bf16", "bfloat16", "f16", "float16")
+
+
+def keeps_float32_copies(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") -> bool:
+    """Whether the inference service multiplies float32 copies of weights served in ``dtype``
+    on this machine, as its "auto" ``matmul_dtype`` does (services/inference/precision.py): a
+    16-bit model on a CPU without bf16 instructions (AMX or AVX512_BF16), where bf16 products
+    are emulated. ``cpu_flags`` as ``aiserve.common.cpu.read_cpu_flags`` gives them (an
+    instruction-set cap in the environment drops the flags above it)."""
+    return device == "cpu" and dtype in _SIXTEEN_BIT and not cpu_flags & _BF16_INSTRUCTIONS
+
+
 def packs_weights(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") -> bool:
-    """Whether the inference service keeps oneDNN-packed copies of weights served in ``dtype``
-    on this machine: float32 on any CPU (oneDNN's float32 products on packed weights, not MKL's),
-    bfloat16 on a CPU with bf16 dot-product instructions (AMX or AVX512_BF16), where the
-    service's "auto" precision multiplies packed bf16 (docs/engine.md)."""
+    """Whether the inference service keeps oneDNN-packed weights served in ``dtype`` on this
+    machine: float32 on any CPU (oneDNN's float32 products on packed weights, not MKL's), the
+    float32 copies of a 16-bit model (``keeps_float32_copies``), and bfloat16 itself on a CPU
+    with bf16 dot-product instructions, where the service's "auto" precision multiplies packed
+    bf16 (docs/engine.md)."""
     if device != "cpu":
         return False
-    bf16_instructions = bool(cpu_flags & {"avx512_bf16", "amx_bf16"})
-    return dtype in ("f32", "float32") or (dtype in ("bf16", "bfloat16") and bf16_instructions)
+    bf16_instructions = bool(cpu_flags & _BF16_INSTRUCTIONS)
+    return (dtype in ("f32", "float32") or keeps_float32_copies(dtype, cpu_flags, device)
+            or (dtype in ("bf16", "bfloat16") and bf16_instructions))

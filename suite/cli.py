@@ -90,9 +90,11 @@ def cmd_size(args: argparse.Namespace) -> int:
     ref = ModelRef.parse(args.target)
     folder = _store(args).path(ref)
     try:
-        packed = sizing.packs_weights(args.dtype, read_cpu_flags()) if args.packed is None else args.packed
+        flags = read_cpu_flags()
+        packed = sizing.packs_weights(args.dtype, flags) if args.packed is None else args.packed
+        wide = sizing.keeps_float32_copies(args.dtype, flags) if args.float32_copies is None else args.float32_copies
         result = sizing.estimate(sizing.shape_of(folder), args.dtype, args.context, args.batch,
-                                 args.kv_dtype, args.memory, packed=packed)
+                                 args.kv_dtype, args.memory, packed=packed, wide=wide)
     except (ValueError, OSError) as exc:
         print(f"aiserve: {exc}", file=sys.stderr)
         return 2
@@ -220,7 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--context", type=_positive_int, default=2048)
     size.add_argument("--packed", action=argparse.BooleanOptionalAction, default=None,
                       help="count oneDNN-packed weight copies (default: as the service does on this CPU: "
-                           "bf16 with bf16 instructions)")
+                           "float32, and bf16 on any CPU: its own weights with bf16 instructions, its float32 "
+                           "copies without)")
+    size.add_argument("--float32-copies", action=argparse.BooleanOptionalAction, default=None,
+                      help="count the float32 copies a 16-bit model multiplies (default: as the service "
+                           "does on this CPU: where it has no bf16 instructions)")
     size.add_argument("--batch", type=_positive_int, default=1)
     size.add_argument("--memory", type=_positive_int, default=None, metavar="BYTES",
                       help="report the largest batch fitting this many bytes")

@@ -10,15 +10,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from aiserve.common.cpu import read_cpu_flags
 from aiserve.sizing import (
     LOAD_OVERHEAD,
     PACKED_KERNEL_BYTES,
     RUNTIME_BYTES,
     Shape,
     estimate,
+    keeps_float32_copies,
     packs_weights,
     shape_of,
 )
+from services.inference.precision import AUTO, choose_precision
 from suite.cli import cmd_size
 
 SMOL = Shape(parameters=134_515_008, layers=30, kv_heads=3, head_dim=64, hidden=576,
@@ -66,10 +69,29 @@ def test_size_command_prints_the_estimate(tmp_path: Path, capsys: pytest.Capture
     folder.mkdir(parents=True)
     test_shape_of_reads_config_and_safetensors_header(folder)
     assert cmd_size(argparse.Namespace(target="m@1", store=str(tmp_path), dtype="bf16", kv_dtype="int8",
-                                       context=16, batch=2, memory=10**6, packed=None)) == 0
+                                       context=16, batch=2, memory=10**6, packed=None, float32_copies=None)) == 0
     out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
     assert out["kv_per_token"] == str(2 * 3 * 2 * 8)
     assert int(out["max_batch"]) >= 1
+
+
+def test_size_command_counts_float32_copies_as_the_service_keeps_them(tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    folder = tmp_path / "m" / "1"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({"num_attention_heads": 4, "hidden_size": 32,
+                                                    "num_hidden_layers": 3, "intermediate_size": 64,
+                                                    "vocab_size": 100}))
+    save_file({"w": torch.zeros(512, 1024, dtype=torch.bfloat16)}, str(folder / "model.safetensors"))
+    resident = {}
+    for copies in (None, False, True):
+        assert cmd_size(argparse.Namespace(target="m@1", store=str(tmp_path), dtype="bf16", kv_dtype=None,
+                                           context=16, batch=2, memory=None, packed=False,
+                                           float32_copies=copies)) == 0
+        out = dict(line.split("\t") for line in capsys.readouterr().out.splitlines())
+        resident[copies] = float(out["resident"].removesuffix(" MiB"))
+    assert resident[True] - resident[False] == 2.0  # 4 bytes for each of 512 x 1024 parameters
+    assert resident[None] == resident[keeps_float32_copies("bf16", read_cpu_flags())]  # default: as on this CPU
 
 
 def test_resident_adds_runtime_loading_kv_cache_and_activations() -> None:
@@ -97,7 +119,36 @@ def test_packed_serving_adds_the_packed_copy_and_its_kernels() -> None:
     assert packed.resident - plain.resident == plain.weights + PACKED_KERNEL_BYTES
     assert packs_weights("bf16", frozenset({"avx2", "avx512_bf16"}))
     assert packs_weights("bfloat16", frozenset({"amx_bf16"}))
-    assert not packs_weights("bf16", frozenset({"avx2", "avx512f"}))  # no bf16 instructions: unpacked
+    assert packs_weights("bf16", frozenset({"avx2", "avx512f"}))  # no bf16 instructions: its float32 copies
+    assert not packs_weights("f16", frozenset({"avx2", "avx512_bf16"}))  # float16 products: not packed
     assert packs_weights("f32", frozenset({"avx2"})) and packs_weights("float32", frozenset())  # oneDNN's float32
     assert not packs_weights("bf16", frozenset({"avx512_bf16"}), device="cuda")
     assert not packs_weights("f32", frozenset({"avx2"}), device="cuda")
+
+
+CPUS = {"amx": frozenset({"amx_bf16", "amx_tile", "avx512_bf16", "avx512f", "avx2"}),
+        "avx512_bf16": frozenset({"avx512_bf16", "avx512f", "avx2"}), "avx512": frozenset({"avx512f", "avx2"}),
+        "avx2": frozenset({"avx2"}), "other": frozenset()}
+
+
+@pytest.mark.parametrize("cpu", sorted(CPUS))
+@pytest.mark.parametrize(("dtype", "short"), [("bfloat16", "bf16"), ("float16", "f16"), ("float32", "f32")])
+def test_the_float32_copies_are_counted_where_the_service_makes_them(cpu: str, dtype: str, short: str) -> None:
+    """The sizing's reading of the policy is the service's: float32 copies exactly where "auto"
+    multiplies a 16-bit model in float32."""
+    chosen = choose_precision("cpu", CPUS[cpu], dtype, AUTO)
+    expected = chosen.weights != chosen.matmul == "float32"
+    assert keeps_float32_copies(dtype, CPUS[cpu]) is expected
+    assert keeps_float32_copies(short, CPUS[cpu]) is expected
+    assert not keeps_float32_copies(dtype, CPUS[cpu], device="cuda")
+    if expected:  # the copies are packed, and counted once
+        assert packs_weights(dtype, CPUS[cpu])
+
+
+def test_float32_copies_add_four_bytes_a_parameter_once_whether_packed_or_not() -> None:
+    plain = estimate(SMOL, "bf16", 512, 4)
+    wide = estimate(SMOL, "bf16", 512, 4, wide=True)
+    wide_packed = estimate(SMOL, "bf16", 512, 4, wide=True, packed=True)
+    assert wide.resident - plain.resident == 4 * SMOL.parameters == 2 * plain.weights
+    assert wide_packed.resident - wide.resident == PACKED_KERNEL_BYTES  # the packed copy is the float32 copy
+    assert wide.weights == plain.weights and wide.kv_cache == plain.kv_cache  # only what the process holds
