@@ -253,9 +253,12 @@ class Pipeline:
 
 
 def _replay(hit: CachedAnswer, prompt_tokens: int, model: str, started: float) -> Iterator[Chunk | Final]:
-    """A cache hit as it was streamed, delta by delta, then its Final. It costs only the lookup:
-    no tokens are computed, so none are billed."""
-    yield from hit.deltas
+    """A cache hit in one message, then its Final: the answer is whole already, and sending it
+    delta by delta as it was generated cost the client ~0.1 ms a message (5-7 ms for 64 tokens,
+    more the longer the answer). It costs only the lookup: no tokens are computed, so none are
+    billed."""
+    if hit.deltas:
+        yield Chunk("".join(d.text_delta for d in hit.deltas), tuple(t for d in hit.deltas for t in d.token_ids))
     ms = _ms_since(started)
     yield Final(hit.finish_reason, UsageRecord(
         prompt_tokens, hit.completion_tokens, cache_hit=True, queue_ms=0, ttft_ms=ms, total_ms=ms, model=model,

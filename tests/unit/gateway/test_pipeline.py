@@ -54,11 +54,11 @@ THREE_TOKENS = [event(1), event(2), event(3, finish=FinishReason.LENGTH, queue_m
 
 # --- tests ------------------------------------------------------------------------------------
 
-async def test_a_cache_hit_is_replayed_delta_by_delta_and_costs_nothing() -> None:
+async def test_a_cache_hit_is_sent_in_one_message_and_costs_nothing() -> None:
     fakes = Fakes()
     fakes.cache.answer = CachedAnswer((Chunk("Par", (7,)), Chunk("is", (8, 9))), 3, FinishReason.STOP, 0.93, "e-7")
     chunks, final = await run(fakes.pipeline(), request())
-    assert chunks == [Chunk("Par", (7,)), Chunk("is", (8, 9))]
+    assert chunks == [Chunk("Paris", (7, 8, 9))]  # the stored deltas joined: the text and every id, in order
     assert final.finish_reason == FinishReason.STOP
     usage = final.usage
     assert (usage.cache_hit, usage.completion_tokens, usage.prompt_tokens, usage.cost_micros) == (True, 3, 3, 0)
