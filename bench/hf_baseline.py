@@ -102,4 +102,3 @@ def static_schedule(groups: Sequence[Sequence[Arrival]], timed: Sequence[tuple[f
     return {"useful_tokens": tokens, "seconds": clock, "tokens_per_s": tokens / clock,
             "ttft": percentiles(ttft), "inter_token": percentiles(itl), "time_per_token": percentiles(tpot),
             "group_seconds": [round(seconds, 3) for seconds, _ in timed]}
-
