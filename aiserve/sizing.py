@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
+from aiserve.common.cpu import BF16_KINDS, machine_kind
+
 RUNTIME_BYTES = 240 * 2**20
 """Resident memory of the inference process before it loads a model: Python, torch (218 MiB
 for ``import torch`` alone, CPU build), grpc, prometheus_client and the service's own modules
@@ -161,7 +163,6 @@ def estimate(shape: Shape, dtype: str, context: int, batch: int, kv_dtype: str |
                     kv_cache=kv_cache, runtime=RUNTIME_BYTES, resident=resident)
 
 
-_BF16_INSTRUCTIONS = frozenset({"avx512_bf16", "amx_bf16"})
 _SIXTEEN_BIT = ("bf16", "bfloat16", "f16", "float16")
 
 
@@ -171,7 +172,7 @@ def keeps_float32_copies(dtype: str, cpu_flags: frozenset[str], device: str = "c
     16-bit model on a CPU without bf16 instructions (AMX or AVX512_BF16), where bf16 products
     are emulated. ``cpu_flags`` as ``aiserve.common.cpu.read_cpu_flags`` gives them (an
     instruction-set cap in the environment drops the flags above it)."""
-    return device == "cpu" and dtype in _SIXTEEN_BIT and not cpu_flags & _BF16_INSTRUCTIONS
+    return device == "cpu" and dtype in _SIXTEEN_BIT and machine_kind(device, cpu_flags) not in BF16_KINDS
 
 
 def packs_weights(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") -> bool:
@@ -182,6 +183,5 @@ def packs_weights(dtype: str, cpu_flags: frozenset[str], device: str = "cpu") ->
     bf16 (docs/engine.md)."""
     if device != "cpu":
         return False
-    bf16_instructions = bool(cpu_flags & _BF16_INSTRUCTIONS)
     return (dtype in ("f32", "float32") or keeps_float32_copies(dtype, cpu_flags, device)
-            or (dtype in ("bf16", "bfloat16") and bf16_instructions))
+            or (dtype in ("bf16", "bfloat16") and machine_kind(device, cpu_flags) in BF16_KINDS))

@@ -40,7 +40,7 @@ from typing import Any
 
 from grpc import aio
 
-from aiserve.common.cpu import read_cpu_flags
+from aiserve.common.cpu import BF16_KINDS, machine_kind, read_cpu_flags
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, inference_pb2, inference_pb2_grpc
@@ -124,8 +124,8 @@ def default_vllm_configs() -> list[str]:
     """float32 eager (what the peer's CPU build runs correctly everywhere) and, where the CPU has
     bf16 instructions, bf16 with torch.compile (its fastest there; on an AVX2-only CPU it answers
     wrongly, so it is not measured there; nor under an instruction-set cap that hides them)."""
-    flags = read_cpu_flags()  # less what a cap hides
-    return ["float32:eager", *(["bfloat16:compile"] if flags & {"avx512_bf16", "amx_bf16"} else [])]
+    bf16 = machine_kind("cpu", read_cpu_flags()) in BF16_KINDS  # less what a cap hides
+    return ["float32:eager", *(["bfloat16:compile"] if bf16 else [])]
 
 
 @contextmanager

@@ -23,6 +23,9 @@ CPU_KINDS: tuple[tuple[str, str], ...] = (
 """CPU kinds by the flag that makes each, most capable first: a CPU is the first it has the flag
 of ("other" when none)."""
 
+BF16_KINDS = ("amx", "avx512_bf16")
+"""The kinds with bf16 dot-product instructions; elsewhere bf16 products are emulated."""
+
 ISA_CAP_VARIABLES = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
 """The environment variables that cap the instruction set torch's CPU kernels use
 (``DNNL_MAX_CPU_ISA``: oneDNN's older name for the first)."""
