@@ -41,7 +41,13 @@ from services.gateway.backends import Backends
 from services.gateway.config import GatewayConfig
 from services.gateway.domain import CallInfo
 from services.gateway.http_errors import PayloadTooLarge, error_event, error_response, response_of
-from services.gateway.openai_request import OpenAIRequest, chat_request, completion_request, parse_body
+from services.gateway.openai_request import (
+    OpenAIRequest,
+    cache_policy,
+    chat_request,
+    completion_request,
+    parse_body,
+)
 from services.gateway.openai_response import Choice, ChunkWriter, chat_completion, text_completion
 
 if TYPE_CHECKING:  # the servicer imports this module to serve it
@@ -121,6 +127,7 @@ class HttpDoor:
             body = parse_body(await self._body(request))
             parse = chat_request if is_chat else completion_request
             asked = parse(body, self.config.http_max_choices)
+            asked.request.cache = cache_policy(request.headers.get("cache-control", ""))
             call = CallInfo(request.headers.get("authorization", ""), request.headers.get(SESSION_KEY, ""),
                             None, asked.user)
             if asked.stream:

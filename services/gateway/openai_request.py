@@ -76,6 +76,20 @@ class OpenAIRequest:
         return other
 
 
+def cache_policy(cache_control: str) -> gateway_pb2.CachePolicy.ValueType:
+    """A request's ``Cache-Control`` header as the gateway's cache policy: ``no-store`` neither
+    looks up nor stores (``CACHE_POLICY_BYPASS``; the gateway has no policy that looks up without
+    storing), ``no-cache`` never answers from the cache but stores the new answer
+    (``CACHE_POLICY_REFRESH``), and anything else uses the cache. Directive names are
+    case-insensitive, and the others are ignored, as HTTP asks of a cache."""
+    directives = {d.split("=", 1)[0].strip().lower() for d in cache_control.split(",")}
+    if "no-store" in directives:
+        return gateway_pb2.CACHE_POLICY_BYPASS
+    if "no-cache" in directives:
+        return gateway_pb2.CACHE_POLICY_REFRESH
+    return gateway_pb2.CACHE_POLICY_USE
+
+
 def parse_body(raw: bytes) -> dict[str, Any]:
     """The JSON object of a request body, or a 400."""
     try:

@@ -138,6 +138,23 @@ async def test_same_seed_same_text_async(suite: Suite) -> None:
     assert first != other  # 24 tokens sampled at temperature 1: another seed, another story
 
 
+def test_cache_control_chooses_whether_the_cache_answers_and_stores(suite: Suite) -> None:
+    text = f"Name one colour for {new_request_id()}."  # a question of its own
+
+    def hit(cache_control: str | None) -> bool:
+        answer = client(suite).chat.completions.create(
+            model="smollm2-135m-instruct", messages=chat(text), max_tokens=6, temperature=0,
+            extra_headers={"Cache-Control": cache_control} if cache_control else None)
+        assert answer.usage is not None
+        return bool(extra(answer.usage, "cache_hit"))
+
+    assert not hit("no-store")
+    assert not hit(None)  # so no-store stored nothing; this answer is stored
+    assert hit(None)
+    assert not hit("no-cache")  # not answered from the cache, though it holds the answer
+    assert not hit("no-store")
+
+
 def test_stop_list_ends_the_answer_before_the_stop_string(suite: Suite) -> None:
     api = client(suite)
     full = api.completions.create(model="smollm2-135m-instruct", prompt="Count: one, two, three,", max_tokens=16,

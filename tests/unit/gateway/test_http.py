@@ -172,6 +172,16 @@ async def test_response_format_reaches_the_request(door: Door) -> None:
     assert second.response_format.WhichOneof("format") == "json_object"
 
 
+async def test_the_cache_control_header_sets_every_choice_s_cache_policy(door: Door) -> None:
+    await door.client().chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], n=2,
+                                                extra_headers={"Cache-Control": "no-store"})
+    await door.client().completions.create(model="m", prompt="p", extra_headers={"cache-control": "no-cache"})
+    await door.client().completions.create(model="m", prompt="p")
+    policies = [request.cache for _, request, _ in door.servicer.calls]
+    assert policies == [gateway_pb2.CACHE_POLICY_BYPASS] * 2 + [gateway_pb2.CACHE_POLICY_REFRESH,
+                                                                 gateway_pb2.CACHE_POLICY_USE]
+
+
 async def test_health_follows_the_gateway(door: Door) -> None:
     assert (await _get(door.url + "/health")).json() == {"status": "serving"}
     door.is_serving = False

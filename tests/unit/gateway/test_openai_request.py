@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from aiserve.common.errors import InvalidArgument
+from aiserve.v1 import gateway_pb2
 from services.gateway.http_errors import openai_message
-from services.gateway.openai_request import ParamError, chat_request, completion_request, parse_body
+from services.gateway.openai_request import ParamError, cache_policy, chat_request, completion_request, parse_body
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -79,3 +80,18 @@ def test_gateway_messages_name_the_openai_parameter() -> None:
     assert openai_message("chat.messages[1].content: must not be empty", True)[1] == "messages[1].content"
     assert openai_message("prompt: 9000 tokens + max_new_tokens 16 exceed", True)[1] == "messages"
     assert openai_message("prompt: must not be empty", False)[1] == "prompt"
+
+
+@pytest.mark.parametrize(("header", "policy"), [
+    ("", gateway_pb2.CACHE_POLICY_USE),
+    ("max-age=0", gateway_pb2.CACHE_POLICY_USE),
+    ("no-cache", gateway_pb2.CACHE_POLICY_REFRESH),
+    ("No-Cache", gateway_pb2.CACHE_POLICY_REFRESH),
+    ("max-age=0, no-cache", gateway_pb2.CACHE_POLICY_REFRESH),
+    ("no-store", gateway_pb2.CACHE_POLICY_BYPASS),
+    ("no-cache,no-store", gateway_pb2.CACHE_POLICY_BYPASS),
+    ('no-cache="x", NO-STORE', gateway_pb2.CACHE_POLICY_BYPASS),
+    ("no-stored, nocache", gateway_pb2.CACHE_POLICY_USE),
+])
+def test_cache_control_header_is_the_cache_policy(header: str, policy: int) -> None:
+    assert cache_policy(header) == policy
