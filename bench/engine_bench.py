@@ -14,6 +14,9 @@ for this CPU, Hugging Face in the dtype it runs fastest in here (``--hf-dtype``)
     speculative decoding off, to show what continuous batching alone gives;
     (d) the batch-size sweep (in-process engine, fixed-length outputs): throughput and latency
     against max_num_seqs, with the knee marked.
+Other benchmarks may ride on (a)'s rounds (``Leg``): ``make bench`` runs the fleet bench's second
+suite and the HTTP door there (bench/shared_rounds.py), so that (a)'s gateway runs are also their
+other side instead of being measured two more times.
 The gateway has no ignore_eos, so (a)-(c) count useful completion tokens (up to and including
 each answer's EOS) on both sides, with prompts that ask for long answers.
 Writes bench/results/engine.json and engine.png.
@@ -26,9 +29,9 @@ import json
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from transformers import AutoTokenizer
@@ -43,6 +46,26 @@ from bench.served import Served, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
 from bench.workload import Arrival, chat_ids, prompts
 from services.inference.model import TORCH_DTYPES
+from suite.runner import Suite
+
+
+class Leg(Protocol):
+    """Another benchmark's run of (a)'s workload, in each of (a)'s rounds after its gateway run."""
+
+    name: str
+
+    async def warm(self, work: Sequence[Arrival]) -> None:
+        """Before the first round, with (a)'s workload (as (a)'s own warm-up)."""
+
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
+        """One run of ``work``: run_schedule's figures."""
+
+    async def finish(self, runs: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> None:
+        """After the last round: its own runs and (a)'s gateway runs of the same rounds."""
+
+
+Legs = Callable[[Suite, Served], Awaitable[Sequence[Leg]]]
+"""Builds the legs once (a)'s suite serves (``Served`` calls it)."""
 
 
 async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Namespace) -> dict[str, Any]:
@@ -51,16 +74,35 @@ async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Names
     return {"new_tokens": args.sweep_tokens, "ignore_eos": True, "points": points, "knee": knee(points)}
 
 
-async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argparse.Namespace
-                  ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(a) 64 x 64 in rounds, each side in turn, so a slow minute of the VM hits all of them;
-    then (b) one request alone."""
+class _GatewayLeg:
+    """(a)'s own run through the gateway, in the legs' turn order."""
+
+    name = "gateway"
+
+    def __init__(self, served: Served) -> None:
+        self.served = served
+
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
+        return await self.served.run(work, "gateway")
+
+
+async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argparse.Namespace,
+                  legs: Sequence[Leg] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(a) 64 x 64 in rounds, each side in turn, so a slow minute of the VM hits all of them:
+    HF, the engine directly, then the gateway and ``legs`` (that order, reversed every other
+    round, so none always runs first), each leg finished after the last round; then (b) one
+    request alone."""
     ids = [a.prompt_ids for a in full]
     runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "direct": [], "gateway": []}
-    for _ in range(args.rounds):
+    ridden: dict[str, list[dict[str, Any]]] = {leg.name: [] for leg in legs}
+    turns: tuple[_GatewayLeg | Leg, ...] = (_GatewayLeg(served), *legs)
+    for turn in range(args.rounds):
         runs["hf_static"].append(hf_static(hf, ids, 64))
         runs["direct"].append(await served.run(full, "inference"))
-        runs["gateway"].append(await served.run(full, "gateway"))
+        for leg in turns if turn % 2 == 0 else tuple(reversed(turns)):
+            (runs if isinstance(leg, _GatewayLeg) else ridden)[leg.name].append(await leg.run(full))
+    for leg in legs:
+        await leg.finish(ridden[leg.name], runs["gateway"])
     a = {name: median_run(samples) for name, samples in runs.items()}
     a["hf_sequential"] = hf_sequential(hf, ids[: args.sequential], 64)
     alone = [Arrival(0.0, full[0].text, full[0].prompt_ids, 64)]
@@ -94,19 +136,23 @@ async def run_c(served: Served, hf: HF | None, mixed: Sequence[Arrival], concurr
 
 
 async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], mixed: Sequence[Arrival],
-                     args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+                     args: argparse.Namespace, legs: Legs | None = None
+                     ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(a), (b) and (c) against a suite with the default settings, HF loaded beside it (the two
-    never run at once)."""
+    never run at once), and ``legs`` riding on (a)."""
     eos = read_model_facts(folder).eos_token_ids
     with tempfile.TemporaryDirectory() as home:
         suite = await start_suite(Path(home), store)
         try:
             served = Served(suite, suite.dev_key_path.read_text().strip())
+            riders = await legs(suite, served) if legs else ()
             hf = HF(folder, eos, TORCH_DTYPES[args.hf_dtype])
             hf.generate([full[0].prompt_ids], 4)  # warm-up
             await served.run(full[:2], "inference")
             await served.run(full[:2], "gateway")
-            a, b = await run_a_b(served, hf, full, args)
+            for leg in riders:
+                await leg.warm(full)
+            a, b = await run_a_b(served, hf, full, args, riders)
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
                  **await run_c(served, hf, mixed, args.concurrency, args.rounds),
                  "speculation": await speculation_stats(suite)}
@@ -129,8 +175,9 @@ async def run_no_speculation(store: ModelStore, full: Sequence[Arrival], mixed: 
             suite.stop()
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Every part, in the order (d), (a)-(c), (c) without speculation; the report with its ratios."""
+async def bench(args: argparse.Namespace, legs: Legs | None = None) -> dict[str, Any]:
+    """Every part, in the order (d), (a)-(c) (``legs`` riding on (a)), (c) without speculation;
+    the report with its ratios."""
     store = ModelStore(model_store_path().resolve())
     folder, _ = store.load_path(ModelRef.parse(DEFAULT_MODEL_REF))
     tok = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -148,7 +195,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     report["d_sweep"] = await run_sweep(folder, ids, args)
     part_s["d_sweep"], started = round(time.perf_counter() - started, 1), time.perf_counter()
     print("served and HF ...", flush=True)
-    a, b, c = await run_served(folder, store, full, mixed, args)
+    a, b, c = await run_served(folder, store, full, mixed, args, legs)
     part_s["a_b_c_served_and_hf"], started = round(time.perf_counter() - started, 1), time.perf_counter()
     print("(c) with speculative decoding off ...", flush=True)
     c["no_speculation"] = await run_no_speculation(store, full, mixed, args)
@@ -158,8 +205,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.engine_bench", description=__doc__.split("\n")[0])
+def parser(prog: str = "python -m bench.engine_bench", description: str = __doc__.split("\n")[0]
+           ) -> argparse.ArgumentParser:
+    """The engine bench's settings (also those of bench/shared_rounds.py)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--sweep", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     parser.add_argument("--sweep-tokens", type=int, default=32)
     parser.add_argument("--sequential", type=int, default=3, help="HF requests timed one at a time")
@@ -172,11 +221,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--mixed", type=int, default=48)
     parser.add_argument("--mixed-spread-s", type=float, default=6.0)
     parser.add_argument("--concurrency", type=int, default=16)
-    args = parser.parse_args(argv)
-    report = run_and_write("engine", bench, args, plot)
+    return parser
+
+
+def show(report: dict[str, Any]) -> None:
     print(json.dumps({k: v for k, v in report.items() if k != "d_sweep"}, indent=1)[:4000])
     print("sweep:", [(p["max_num_seqs"], round(p["tokens_per_s"]), p["time_per_token"]["p50_ms"]) for p in
                      report["d_sweep"]["points"]], "knee", report["d_sweep"]["knee"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    show(run_and_write("engine", bench, parser().parse_args(argv), plot))
     return 0
 
 

@@ -12,7 +12,9 @@
     affected client seeing its error (UNAVAILABLE naming its request id), how many streams failed
     and held, whether 16 requests sent right after the kill all succeed, and the time until the
     killed replica is restarted and SERVING again.
-Writes bench/results/fleet.json and fleet.png.
+In ``make bench`` both ride on the engine bench's (a) rounds instead (``FleetLeg``,
+bench/shared_rounds.py): (a)'s suite and its gateway runs are the one-replica side. Writes
+bench/results/fleet.json and fleet.png.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from transformers import AutoTokenizer
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from bench.measure import machine, median_run, run_and_write
+from bench.measure import RESULTS, machine, median_run, run_and_write
 from bench.served import Served, start_suite
 from bench.workload import Arrival, chat_ids, prompts
 from suite.runner import Suite
@@ -64,12 +66,45 @@ async def run_e(one: Suite, two: Suite, full: Sequence[Arrival], rounds: int) ->
     for _ in range(rounds):
         for name, s in served.items():
             runs[name].append(await s.run(full, "gateway"))
-    e = {name: median_run(samples) for name, samples in runs.items()}
+    return e_report(one, two, runs["one_replica"], runs["two_replicas"])
+
+
+def e_report(one: Suite, two: Suite, one_runs: Sequence[dict[str, Any]], two_runs: Sequence[dict[str, Any]]
+             ) -> dict[str, Any]:
+    """(e)'s figures from each suite's runs (medians), with each suite's resident memory now."""
+    e: dict[str, Any] = {"one_replica": median_run(one_runs), "two_replicas": median_run(two_runs)}
     e["one_replica"]["rss_bytes"] = suite_rss_bytes(one)
     e["two_replicas"]["rss_bytes"] = suite_rss_bytes(two)
     one_tps, two_tps = e["one_replica"]["tokens_per_s"], e["two_replicas"]["tokens_per_s"]
     e["cost_of_second_replica"] = 1 - two_tps / one_tps
     return e
+
+
+class FleetLeg:
+    """(e) and (f) riding on the engine bench's (a) (bench/engine_bench.py, ``Leg``): (a)'s suite
+    is the one-replica side and its gateway runs are (e)'s one-replica runs, so only the
+    two-replica suite's runs are added to each round; (f) runs on that suite after the last
+    round, and the report is written then."""
+
+    name = "two_replicas"
+
+    def __init__(self, one: Suite, two: Suite) -> None:
+        self.one, self.two = one, two
+        self.served = Served(two, two.dev_key_path.read_text().strip())
+        self.report: dict[str, Any] = {}
+
+    async def warm(self, work: Sequence[Arrival]) -> None:
+        await self.served.run(work[:2], "gateway")
+
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
+        return await self.served.run(work, "gateway")
+
+    async def finish(self, runs: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> None:
+        e = e_report(self.one, self.two, gateway, runs)
+        f = await run_f_supervised(self.two)
+        self.two.stop()
+        self.report = write({"machine": machine(), "rides_on": "bench/engine_bench.py (a)", "e_replicas": e,
+                             "f_kill": f})
 
 
 class Stream:
@@ -129,6 +164,16 @@ async def run_f(two: Suite, victim: str) -> dict[str, Any]:
     }
 
 
+async def run_f_supervised(two: Suite) -> dict[str, Any]:
+    """(f) on ``two``, supervised so that the killed replica is restarted."""
+    print("(f) SIGKILL of a replica under load ...", flush=True)
+    supervisor = asyncio.create_task(two.supervise())
+    try:
+        return await run_f(two, two.inference_names[-1])
+    finally:
+        supervisor.cancel()
+
+
 async def served_run_counting_failures(served: Served, work: Sequence[Arrival]) -> int:
     """Send ``work`` through the gateway at once; how many failed."""
     async with aio.insecure_channel(served.suite.config.address("gateway")) as channel:
@@ -174,12 +219,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 print("(e) one vs two replicas ...", flush=True)
                 report["e_replicas"] = await run_e(one, two, full, args.rounds)
                 one.stop()
-                print("(f) SIGKILL of a replica under load ...", flush=True)
-                supervisor = asyncio.create_task(two.supervise())  # restarts the killed replica
-                try:
-                    report["f_kill"] = await run_f(two, two.inference_names[-1])
-                finally:
-                    supervisor.cancel()
+                report["f_kill"] = await run_f_supervised(two)
             finally:
                 two.stop()
         finally:
@@ -187,16 +227,26 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.fleet_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="(e): runs of each suite, in turn; medians")
-    args = parser.parse_args(argv)
-    report = run_and_write("fleet", bench, args, plot)
+def write(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` as bench/results/fleet.json and fleet.png (as run_and_write writes them)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "fleet.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / "fleet.png")
+    return report
+
+
+def show(report: dict[str, Any]) -> None:
     e, f = report["e_replicas"], report["f_kill"]
     print(json.dumps({"tokens_per_s": {n: round(e[n]["tokens_per_s"], 1) for n in ("one_replica", "two_replicas")},
                       "cost_of_second_replica": round(e["cost_of_second_replica"], 4),
                       "rss_gib": {n: round(e[n]["rss_bytes"] / 2**30, 2) for n in ("one_replica", "two_replicas")},
                       **{k: v for k, v in f.items() if k != "error_delays_s"}}, indent=1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.fleet_bench", description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="(e): runs of each suite, in turn; medians")
+    show(run_and_write("fleet", bench, parser.parse_args(argv), plot))
     return 0
 
 

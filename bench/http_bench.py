@@ -1,16 +1,20 @@
 """What the OpenAI-compatible HTTP door costs: 64 concurrent streaming chat requests through HTTP
 and the same 64 through gRPC Generate, against one suite in the same run, in turns (docs/http.md).
 
-Both doors ask for the same work: the same prompts, max tokens, temperature and seed per prompt
-(so the same tokens), sampled (above the cache's temperature limit, so neither door touches the
-cache). The figure is the ratio of the doors' throughputs in tokens per second, medians over
-``--rounds`` turns each; the target is that HTTP costs at most 10%. Writes
-``bench/results/http.json`` and ``http.png``.
+Both doors ask for the same work: the same prompts and max tokens, greedy (so the same tokens;
+``--temperature`` samples instead, with a seed per prompt, which measures the sampler too), and
+neither touches the cache (gRPC ``CACHE_POLICY_BYPASS``, HTTP ``Cache-Control: no-store``). The
+figure is the ratio of the doors' throughputs in tokens per second, medians over ``--rounds``
+turns each; the target is that HTTP costs at most 10%. In ``make bench`` the HTTP runs ride on
+the engine bench's (a) rounds (``HttpDoor`` as a leg, bench/shared_rounds.py), whose greedy
+gateway runs past the cache are the gRPC side.
+Writes ``bench/results/http.json`` and ``http.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import tempfile
 import time
@@ -23,7 +27,7 @@ from grpc import aio
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from bench.measure import Timing, consume, machine, median_run, run_and_write, run_schedule
+from bench.measure import RESULTS, Timing, consume, machine, median_run, run_and_write, run_schedule
 from bench.openai_stream import chat_stream
 from bench.served import start_suite
 from bench.workload import Arrival, prompts
@@ -31,60 +35,102 @@ from suite.runner import Suite
 
 TIMEOUT_S = 900
 CONCURRENCY = 64
-TEMPERATURE = 0.8
-"""Sampled, so that neither door's requests are looked up in or stored to the cache."""
+NO_CACHE = {"Cache-Control": "no-store"}
+"""Neither looked up in nor stored to the cache, as gRPC's ``CACHE_POLICY_BYPASS``."""
 
 
-class Doors:
-    """One request of the workload through either door (``index`` picks its seed)."""
+def seed_of(text: str) -> int:
+    """The seed of a sampled request: the same for the same prompt on either door."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
-    def __init__(self, suite: Suite, key: str, seeds: dict[str, int]) -> None:
-        self.suite, self.key, self.seeds = suite, key, seeds
 
-    async def http(self, a: Arrival) -> Timing:
+class HttpDoor:
+    """The workload through the HTTP door of ``suite``, past the cache, greedy unless
+    ``temperature`` (then with a seed per prompt)."""
+
+    name = "http"
+
+    def __init__(self, suite: Suite, key: str, temperature: float = 0.0) -> None:
+        self.suite, self.key, self.temperature = suite, key, temperature
+        self.report: dict[str, Any] = {}
+
+    async def one(self, a: Arrival) -> Timing:
         port = int(self.suite.config.http_address().rsplit(":", 1)[1])
+        params = {"temperature": self.temperature, "seed": seed_of(a.text)} if self.temperature else None
         timing, _ = await chat_stream("127.0.0.1", port, DEFAULT_MODEL_REF, a.text, a.max_new, TIMEOUT_S, self.key,
-                                      {"temperature": TEMPERATURE, "seed": self.seeds[a.text]})
+                                      params, headers=NO_CACHE)
         return timing
 
-    async def grpc(self, a: Arrival, channel: aio.Channel) -> Timing:
-        request = gateway_pb2.GenerateRequest(model=DEFAULT_MODEL_REF, sampling=common_pb2.SamplingParams(
-            max_new_tokens=a.max_new, temperature=TEMPERATURE, seed=self.seeds[a.text]))
+    async def warm(self, work: Sequence[Arrival]) -> None:
+        await self.run(work[:8])
+
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
+        return await run_schedule(work, CONCURRENCY, self.one)
+
+    async def finish(self, runs: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> None:
+        """As a leg of the engine bench's (a): ``gateway`` is the gRPC side, run in the same rounds."""
+        self.report = write(doors_report(runs, gateway, {"rides_on": "bench/engine_bench.py (a)",
+                                                         "max_tokens": 64, "temperature": self.temperature}))
+
+
+class GrpcDoor:
+    """The same requests through gRPC Generate (bench/served.py's, with the same sampling)."""
+
+    def __init__(self, suite: Suite, key: str, temperature: float) -> None:
+        self.suite, self.key, self.temperature = suite, key, temperature
+
+    async def one(self, a: Arrival, channel: aio.Channel) -> Timing:
+        sampling = common_pb2.SamplingParams(max_new_tokens=a.max_new, temperature=self.temperature)
+        if self.temperature:
+            sampling.seed = seed_of(a.text)
+        request = gateway_pb2.GenerateRequest(sampling=sampling, cache=gateway_pb2.CACHE_POLICY_BYPASS)
         request.chat.messages.add(role="user", content=a.text)
         started = time.perf_counter()
         call = gateway_pb2_grpc.GatewayStub(channel).Generate(
             request, timeout=TIMEOUT_S, metadata=(("authorization", f"Bearer {self.key}"),))
         return await consume(call, started, lambda m: len(m.token_ids))
 
-    async def run(self, door: str, work: Sequence[Arrival]) -> dict[str, Any]:
-        if door == "http":
-            return await run_schedule(work, CONCURRENCY, self.http)
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
         async with aio.insecure_channel(self.suite.config.address("gateway")) as channel:
-            return await run_schedule(work, CONCURRENCY, lambda a: self.grpc(a, channel))
+            return await run_schedule(work, CONCURRENCY, lambda a: self.one(a, channel))
+
+
+def doors_report(http: Sequence[dict[str, Any]], grpc: Sequence[dict[str, Any]], extra: dict[str, Any]
+                 ) -> dict[str, Any]:
+    report: dict[str, Any] = {"machine": machine(), "concurrency": CONCURRENCY, **extra,
+                              "http": median_run(http), "grpc": median_run(grpc)}
+    report["http_over_grpc"] = report["http"]["tokens_per_s"] / report["grpc"]["tokens_per_s"]
+    report["http_cost"] = 1 - report["http_over_grpc"]
+    report["load_average_after"] = machine()["load_average"]
+    return report
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     store = ModelStore(model_store_path().resolve())
     work = [Arrival(0.0, text, [], args.max_tokens) for text in prompts(CONCURRENCY)]
-    report: dict[str, Any] = {"machine": machine(), "concurrency": CONCURRENCY, "max_tokens": args.max_tokens,
-                              "temperature": TEMPERATURE}
     with tempfile.TemporaryDirectory() as home:
         suite = await start_suite(Path(home), store)
         try:
-            doors = Doors(suite, suite.dev_key_path.read_text().strip(), {a.text: i for i, a in enumerate(work)})
-            await doors.run("grpc", work[:8])  # warm both paths (and the engine's shapes) first
-            await doors.run("http", work[:8])
+            key = suite.dev_key_path.read_text().strip()
+            doors: dict[str, HttpDoor | GrpcDoor] = {"http": HttpDoor(suite, key, args.temperature),
+                                                     "grpc": GrpcDoor(suite, key, args.temperature)}
+            for door in doors.values():  # warm both paths (and the engine's shapes) first
+                await door.run(work[:8])
             runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
             for turn in range(args.rounds):
-                for door in (("http", "grpc") if turn % 2 == 0 else ("grpc", "http")):  # alternate who goes first
-                    print(f"round {turn + 1}: {door} ...", flush=True)
-                    runs[door].append(await doors.run(door, work))
+                for name in (("http", "grpc") if turn % 2 == 0 else ("grpc", "http")):  # alternate who goes first
+                    print(f"round {turn + 1}: {name} ...", flush=True)
+                    runs[name].append(await doors[name].run(work))
         finally:
             suite.stop()
-    report["http"], report["grpc"] = median_run(runs["http"]), median_run(runs["grpc"])
-    report["http_over_grpc"] = report["http"]["tokens_per_s"] / report["grpc"]["tokens_per_s"]
-    report["http_cost"] = 1 - report["http_over_grpc"]
-    report["load_average_after"] = machine()["load_average"]
+    return doors_report(runs["http"], runs["grpc"], {"max_tokens": args.max_tokens, "temperature": args.temperature})
+
+
+def write(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` as bench/results/http.json and http.png (as run_and_write writes them)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "http.json").write_text(json.dumps(report, indent=2))
+    plot(report, RESULTS / "http.png")
     return report
 
 
@@ -113,15 +159,19 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def show(report: dict[str, Any]) -> None:
+    print(json.dumps({"tokens_per_s": {d: round(report[d]["tokens_per_s"], 1) for d in ("http", "grpc")},
+                      "http_over_grpc": round(report["http_over_grpc"], 4),
+                      "load_average": [report["machine"]["load_average"], report["load_average_after"]]}, indent=1))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.http_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="turns of each door; medians")
     parser.add_argument("--max-tokens", type=int, default=64, help="max_tokens of each request")
-    args = parser.parse_args(argv)
-    report = run_and_write("http", bench, args, plot)
-    print(json.dumps({"tokens_per_s": {d: round(report[d]["tokens_per_s"], 1) for d in ("http", "grpc")},
-                      "http_over_grpc": round(report["http_over_grpc"], 4),
-                      "load_average": [report["machine"]["load_average"], report["load_average_after"]]}, indent=1))
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy, as in make bench; above: sampled, a seed per prompt (the sampler's cost)")
+    show(run_and_write("http", bench, parser.parse_args(argv), plot))
     return 0
 
 

@@ -43,14 +43,16 @@ async def _events(reader: asyncio.StreamReader) -> AsyncIterator[dict[str, Any]]
 
 
 async def chat_stream(host: str, port: int, model: str, text: str, max_tokens: int,
-                      timeout_s: float, key: str = "", params: dict[str, Any] | None = None) -> tuple[Timing, str]:
+                      timeout_s: float, key: str = "", params: dict[str, Any] | None = None,
+                      headers: dict[str, str] | None = None) -> tuple[Timing, str]:
     """POST /v1/chat/completions (stream, greedy unless ``params`` say otherwise) with ``text`` as
-    one user message, with the API key ``key`` if any; the stream's timing (tokens counted from
-    the final usage, as the server counted them) and the answer."""
+    one user message, with the API key ``key`` if any and ``headers``; the stream's timing
+    (tokens counted from the final usage, as the server counted them) and the answer."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                        **(params or {})}).encode()
     auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
+    auth += b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in (headers or {}).items())
     started = time.perf_counter()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     try:

@@ -1,10 +1,10 @@
-"""`make bench`: the engine benchmark (bench/engine_bench.py), then the fleet one
-(bench/fleet_bench.py: one vs two inference replicas, SIGKILL of a replica under load), then the
-cold start (bench/cold_start.py), then the HTTP door against gRPC (bench/http_bench.py), then
-constrained decoding and log-probabilities against free text (bench/constrained_bench.py), then
-weight quantization (bench/quant_bench.py), the int8 KV cache (bench/kv_bench.py) and the
-semantic cache (bench/cache_bench.py). Ends with bench/results/report.md (bench/report.py): whatever
-JSON the benchmarks left, the machine named.
+"""`make bench`: the engine benchmark (bench/engine_bench.py) with the fleet one
+(bench/fleet_bench.py: one vs two inference replicas, SIGKILL of a replica under load) and the
+HTTP door against gRPC (bench/http_bench.py) riding on its rounds (bench/shared_rounds.py), then
+the cold start (bench/cold_start.py), then constrained decoding and log-probabilities against
+free text (bench/constrained_bench.py), then weight quantization (bench/quant_bench.py), the
+int8 KV cache (bench/kv_bench.py) and the semantic cache (bench/cache_bench.py). Ends with
+bench/results/report.md (bench/report.py): whatever JSON the benchmarks left, the machine named.
 
 The bench times itself: bench/results/bench_duration.json has each benchmark's seconds and the
 total, against the 15 minutes a working session can give it (docs/decisions.md, 74)."""
@@ -19,22 +19,18 @@ from bench import (
     cache_bench,
     cold_start,
     constrained_bench,
-    engine_bench,
-    fleet_bench,
-    http_bench,
     kv_bench,
     quant_bench,
     report,
+    shared_rounds,
 )
 
 BUDGET_S = 15 * 60
 """What ``make bench`` may take on either CPU kind."""
 
 PARTS: Sequence[tuple[str, Callable[[], int | None]]] = (
-    ("engine", engine_bench.main),
-    ("fleet", lambda: fleet_bench.main([])),
+    ("engine_fleet_http", lambda: shared_rounds.main([])),
     ("cold_start", lambda: cold_start.main([])),
-    ("http", lambda: http_bench.main([])),
     ("constrained", lambda: constrained_bench.main([])),
     ("quant", lambda: quant_bench.main([])),
     ("kv_cache", lambda: kv_bench.main([])),

@@ -1,13 +1,15 @@
 """The engine bench's mixed-workload baseline (bench/engine_bench.py, bench/hf_baseline.py): the
-static batches replayed on one clock, and each batch timed once, spread over the rounds."""
+static batches replayed on one clock, and each batch timed once, spread over the rounds; and the
+other benches' legs riding on (a)'s rounds (bench/shared_rounds.py)."""
 
+import argparse
 import asyncio
 from collections.abc import Sequence
 from typing import Any, cast
 
 import pytest
 
-from bench.engine_bench import run_c
+from bench.engine_bench import run_a_b, run_c
 from bench.hf_baseline import HF, static_groups, static_schedule
 from bench.served import Served
 from bench.workload import Arrival
@@ -77,3 +79,63 @@ def test_without_a_baseline_only_the_gateway_runs() -> None:
     c = asyncio.run(run_c(cast(Served, FakeServed(events)), None, [arrival(0.0, 2)], 1, 3))
     assert events == ["gateway x1 at 1"] * 3 and "hf_static" not in c
     assert c["gateway"]["tokens_per_s"] == 20.0  # the median of 30, 10 and 20
+
+
+class RecordingLeg:
+    """A leg that records when it runs, and what it is finished with."""
+
+    def __init__(self, name: str, events: list[str]) -> None:
+        self.name, self.events = name, events
+        self.speeds = iter([1.0, 2.0, 3.0, 4.0])
+        self.finished: tuple[list[float], list[float]] | None = None
+
+    async def warm(self, work: Sequence[Arrival]) -> None:
+        raise AssertionError("run_a_b does not warm its legs (run_served does, with (a)'s own warm-up)")
+
+    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
+        self.events.append(f"{self.name} x{len(work)}")
+        return {"tokens_per_s": next(self.speeds)}
+
+    async def finish(self, runs: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> None:
+        self.events.append(f"{self.name} finished")
+        self.finished = ([r["tokens_per_s"] for r in runs], [r["tokens_per_s"] for r in gateway])
+
+
+class CountingHF(FakeHF):
+    def generate(self, batch: Sequence[Sequence[int]], max_new: int) -> tuple[float, list[list[int]]]:
+        self.events.append(f"hf x{len(batch)}")
+        return 2.0, [[9] * max_new for _ in batch]
+
+
+class EveryRunServed(FakeServed):
+    def __init__(self, events: list[str]) -> None:
+        super().__init__(events)
+        self.speeds = iter(float(10 * i) for i in range(1, 20))
+
+
+def test_legs_ride_on_each_round_beside_the_gateway_and_are_finished_with_its_runs() -> None:
+    events: list[str] = []
+    full = [arrival(0.0, 64, first_id=i) for i in range(4)]
+    http, fleet = RecordingLeg("http", events), RecordingLeg("two", events)
+    args = argparse.Namespace(rounds=3, sequential=1)
+    a, b = asyncio.run(run_a_b(cast(Served, EveryRunServed(events)), cast(HF, CountingHF(events)), full, args,
+                               (http, fleet)))
+    head, gateway = ["hf x4", "inference x4 at None"], "gateway x4 at None"
+    assert events[:15] == [*head, gateway, "http x4", "two x4", *head, "two x4", "http x4", gateway,
+                           *head, gateway, "http x4", "two x4"]
+    assert events[15:17] == ["http finished", "two finished"]  # before (b) runs
+    assert events[17:] == ["hf x1", "inference x1 at None", "gateway x1 at None"]
+    # the gateway ran at 20, 40 and 60 tokens/s: each leg gets those very runs as its other side
+    assert http.finished == ([1.0, 2.0, 3.0], [20.0, 40.0, 60.0])
+    assert fleet.finished == ([1.0, 2.0, 3.0], [20.0, 40.0, 60.0])
+    assert a["gateway"]["runs_tokens_per_s"] == [20.0, 40.0, 60.0] and a["direct"]["tokens_per_s"] == 30.0
+    assert b["gateway"]["tokens_per_s"] == 80.0
+
+
+def test_without_legs_a_round_is_hf_direct_and_gateway() -> None:
+    events: list[str] = []
+    args = argparse.Namespace(rounds=2, sequential=1)
+    asyncio.run(run_a_b(cast(Served, EveryRunServed(events)), cast(HF, CountingHF(events)),
+                        [arrival(0.0, 64)], args))
+    assert events == ["hf x1", "inference x1 at None", "gateway x1 at None"] * 2 + [
+        "hf x1", "inference x1 at None", "gateway x1 at None"]
