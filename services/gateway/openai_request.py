@@ -76,7 +76,7 @@ class OpenAIRequest:
         return other
 
 
-def cache_policy(cache_control: str) -> gateway_pb2.CachePolicy.ValueType:
+def cache_policy(cache_control: str) -> gateway_pb2.CachePolicy:
     """A request's ``Cache-Control`` header as the gateway's cache policy: ``no-store`` neither
     looks up nor stores (``CACHE_POLICY_BYPASS``; the gateway has no policy that looks up without
     storing), ``no-cache`` never answers from the cache but stores the new answer
