@@ -4,6 +4,7 @@ loop seen over real gRPC (grpc.health.v1 Watch, the Status rpc, the server's met
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -141,9 +142,15 @@ async def test_a_probe_stuck_behind_a_step_times_out(model: LlamaModel, monkeypa
         assert registry.get_sample_value("aiserve_inference_health_check_passed") == 0
         gate.release()
         await events.last()
-        assert await health.check() == Verdict(True)
-        assert reports == [(False, "probe timed out after 0.1s"), (True, "")]
-        assert registry.get_sample_value("aiserve_inference_probe_failures_total") == 1
+        # Then the checks pass again. A probe now waits for no step, yet on a loaded 2-core machine
+        # one may still take over 0.1 s (a timing, not a state), so the checks
+        # repeat until one passes, each failure reported and counted as the first was.
+        deadline = time.monotonic() + TIMEOUT_S
+        while (verdict := await health.check()) != Verdict(True):
+            assert verdict == Verdict(False, "probe timed out after 0.1s") and time.monotonic() < deadline
+        failures = len(reports) - 1
+        assert reports == [(False, "probe timed out after 0.1s")] * failures + [(True, "")]
+        assert registry.get_sample_value("aiserve_inference_probe_failures_total") == failures
         assert registry.get_sample_value("aiserve_inference_health_check_passed") == 1  # the last one passed
 
         def unreadable() -> int:
