@@ -30,6 +30,7 @@ import random
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,7 +51,7 @@ from suite.runner import Suite
 
 
 class Leg(Protocol):
-    """Another benchmark's run of (a)'s workload, in each of (a)'s rounds after its gateway run."""
+    """Another benchmark's run of (a)'s workload, in each of (a)'s rounds beside its gateway run."""
 
     name: str
 
@@ -65,25 +66,13 @@ class Leg(Protocol):
 
 
 Legs = Callable[[Suite, Served], Awaitable[Sequence[Leg]]]
-"""Builds the legs once (a)'s suite serves (``Served`` calls it)."""
+"""Builds the legs once (a)'s suite serves, given that suite and its ``Served``."""
 
 
 async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Namespace) -> dict[str, Any]:
     """(d): the in-process engine at each size, one after the other."""
     points = [await sweep_one(folder, size, ids, args.sweep_tokens) for size in args.sweep]
     return {"new_tokens": args.sweep_tokens, "ignore_eos": True, "points": points, "knee": knee(points)}
-
-
-class _GatewayLeg:
-    """(a)'s own run through the gateway, in the legs' turn order."""
-
-    name = "gateway"
-
-    def __init__(self, served: Served) -> None:
-        self.served = served
-
-    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
-        return await self.served.run(work, "gateway")
 
 
 async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argparse.Namespace,
@@ -93,17 +82,17 @@ async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argpars
     round, so none always runs first), each leg finished after the last round; then (b) one
     request alone."""
     ids = [a.prompt_ids for a in full]
-    runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "direct": [], "gateway": []}
-    ridden: dict[str, list[dict[str, Any]]] = {leg.name: [] for leg in legs}
-    turns: tuple[_GatewayLeg | Leg, ...] = (_GatewayLeg(served), *legs)
+    sides: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
+        "gateway": lambda: served.run(full, "gateway"), **{leg.name: partial(leg.run, full) for leg in legs}}
+    runs: dict[str, list[dict[str, Any]]] = {"hf_static": [], "direct": [], **{name: [] for name in sides}}
     for turn in range(args.rounds):
         runs["hf_static"].append(hf_static(hf, ids, 64))
         runs["direct"].append(await served.run(full, "inference"))
-        for leg in turns if turn % 2 == 0 else tuple(reversed(turns)):
-            (runs if isinstance(leg, _GatewayLeg) else ridden)[leg.name].append(await leg.run(full))
+        for name in sides if turn % 2 == 0 else reversed(sides):
+            runs[name].append(await sides[name]())
     for leg in legs:
-        await leg.finish(ridden[leg.name], runs["gateway"])
-    a = {name: median_run(samples) for name, samples in runs.items()}
+        await leg.finish(runs[leg.name], runs["gateway"])
+    a = {name: median_run(runs[name]) for name in ("hf_static", "direct", "gateway")}
     a["hf_sequential"] = hf_sequential(hf, ids[: args.sequential], 64)
     alone = [Arrival(0.0, full[0].text, full[0].prompt_ids, 64)]
     b = {"hf": a["hf_sequential"], "direct": await served.run(alone, "inference"),

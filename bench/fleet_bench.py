@@ -36,7 +36,7 @@ from transformers import AutoTokenizer
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from bench.measure import RESULTS, machine, median_run, run_and_write
+from bench.measure import machine, median_run, run_and_write, write_report
 from bench.served import Served, start_suite
 from bench.workload import Arrival, chat_ids, prompts
 from suite.runner import Suite
@@ -103,8 +103,8 @@ class FleetLeg:
         e = e_report(self.one, self.two, gateway, runs)
         f = await run_f_supervised(self.two)
         self.two.stop()
-        self.report = write({"machine": machine(), "rides_on": "bench/engine_bench.py (a)", "e_replicas": e,
-                             "f_kill": f})
+        self.report = write_report("fleet", {"machine": machine(), "rides_on": "bench/engine_bench.py (a)",
+                                             "e_replicas": e, "f_kill": f}, plot)
 
 
 class Stream:
@@ -224,14 +224,6 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 two.stop()
         finally:
             one.stop()
-    return report
-
-
-def write(report: dict[str, Any]) -> dict[str, Any]:
-    """``report`` as bench/results/fleet.json and fleet.png (as run_and_write writes them)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fleet.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "fleet.png")
     return report
 
 

@@ -14,22 +14,17 @@ Writes ``bench/results/http.json`` and ``http.png``.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from grpc import aio
-
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelStore
-from aiserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from bench.measure import RESULTS, Timing, consume, machine, median_run, run_and_write, run_schedule
+from bench.measure import Timing, machine, median_run, run_and_write, run_schedule, write_report
 from bench.openai_stream import chat_stream
-from bench.served import start_suite
+from bench.served import Served, seed_of, start_suite
 from bench.workload import Arrival, prompts
 from suite.runner import Suite
 
@@ -37,11 +32,6 @@ TIMEOUT_S = 900
 CONCURRENCY = 64
 NO_CACHE = {"Cache-Control": "no-store"}
 """Neither looked up in nor stored to the cache, as gRPC's ``CACHE_POLICY_BYPASS``."""
-
-
-def seed_of(text: str) -> int:
-    """The seed of a sampled request: the same for the same prompt on either door."""
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
 class HttpDoor:
@@ -69,30 +59,8 @@ class HttpDoor:
 
     async def finish(self, runs: Sequence[dict[str, Any]], gateway: Sequence[dict[str, Any]]) -> None:
         """As a leg of the engine bench's (a): ``gateway`` is the gRPC side, run in the same rounds."""
-        self.report = write(doors_report(runs, gateway, {"rides_on": "bench/engine_bench.py (a)",
-                                                         "max_tokens": 64, "temperature": self.temperature}))
-
-
-class GrpcDoor:
-    """The same requests through gRPC Generate (bench/served.py's, with the same sampling)."""
-
-    def __init__(self, suite: Suite, key: str, temperature: float) -> None:
-        self.suite, self.key, self.temperature = suite, key, temperature
-
-    async def one(self, a: Arrival, channel: aio.Channel) -> Timing:
-        sampling = common_pb2.SamplingParams(max_new_tokens=a.max_new, temperature=self.temperature)
-        if self.temperature:
-            sampling.seed = seed_of(a.text)
-        request = gateway_pb2.GenerateRequest(sampling=sampling, cache=gateway_pb2.CACHE_POLICY_BYPASS)
-        request.chat.messages.add(role="user", content=a.text)
-        started = time.perf_counter()
-        call = gateway_pb2_grpc.GatewayStub(channel).Generate(
-            request, timeout=TIMEOUT_S, metadata=(("authorization", f"Bearer {self.key}"),))
-        return await consume(call, started, lambda m: len(m.token_ids))
-
-    async def run(self, work: Sequence[Arrival]) -> dict[str, Any]:
-        async with aio.insecure_channel(self.suite.config.address("gateway")) as channel:
-            return await run_schedule(work, CONCURRENCY, lambda a: self.one(a, channel))
+        self.report = write_report("http", doors_report(runs, gateway, {
+            "rides_on": "bench/engine_bench.py (a)", "max_tokens": 64, "temperature": self.temperature}), plot)
 
 
 def doors_report(http: Sequence[dict[str, Any]], grpc: Sequence[dict[str, Any]], extra: dict[str, Any]
@@ -112,26 +80,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         suite = await start_suite(Path(home), store)
         try:
             key = suite.dev_key_path.read_text().strip()
-            doors: dict[str, HttpDoor | GrpcDoor] = {"http": HttpDoor(suite, key, args.temperature),
-                                                     "grpc": GrpcDoor(suite, key, args.temperature)}
-            for door in doors.values():  # warm both paths (and the engine's shapes) first
-                await door.run(work[:8])
+            http, grpc = HttpDoor(suite, key, args.temperature), Served(suite, key, args.temperature)
+            await grpc.run(work[:8], "gateway")  # warm both paths (and the engine's shapes) first
+            await http.run(work[:8])
             runs: dict[str, list[dict[str, Any]]] = {"http": [], "grpc": []}
             for turn in range(args.rounds):
                 for name in (("http", "grpc") if turn % 2 == 0 else ("grpc", "http")):  # alternate who goes first
                     print(f"round {turn + 1}: {name} ...", flush=True)
-                    runs[name].append(await doors[name].run(work))
+                    runs[name].append(await (http.run(work) if name == "http" else grpc.run(work, "gateway")))
         finally:
             suite.stop()
     return doors_report(runs["http"], runs["grpc"], {"max_tokens": args.max_tokens, "temperature": args.temperature})
-
-
-def write(report: dict[str, Any]) -> dict[str, Any]:
-    """``report`` as bench/results/http.json and http.png (as run_and_write writes them)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "http.json").write_text(json.dumps(report, indent=2))
-    plot(report, RESULTS / "http.png")
-    return report
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

@@ -123,6 +123,12 @@ def run_and_write(name: str, bench: Callable[[Any], Coroutine[Any, Any, dict[str
     started = time.perf_counter()
     report = asyncio.run(bench(args))
     report["wall_s"] = round(time.perf_counter() - started, 1)
+    return write_report(name, report, plot)
+
+
+def write_report(name: str, report: dict[str, Any], plot: Callable[[dict[str, Any], Path], None]
+                 ) -> dict[str, Any]:
+    """``report`` as ``RESULTS/<name>.json`` and its plot as ``<name>.png``; the report."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(report, RESULTS / f"{name}.png")

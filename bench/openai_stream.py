@@ -51,13 +51,13 @@ async def chat_stream(host: str, port: int, model: str, text: str, max_tokens: i
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
                        "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
                        **(params or {})}).encode()
-    auth = b"Authorization: Bearer %s\r\n" % key.encode() if key else b""
-    auth += b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in (headers or {}).items())
+    given = {**({"Authorization": f"Bearer {key}"} if key else {}), **(headers or {})}
+    lines = b"".join(b"%s: %s\r\n" % (name.encode(), value.encode()) for name, value in given.items())
     started = time.perf_counter()
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout_s)
     try:
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n%s"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), auth, len(body), body))
+                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (host.encode(), lines, len(body), body))
         await writer.drain()
         return await asyncio.wait_for(_read(reader, started), timeout_s)
     finally:

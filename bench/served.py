@@ -3,6 +3,7 @@ in) or straight at the inference service (ids in), on an arrival schedule."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,18 +20,25 @@ from suite.runner import Suite, SuiteConfig
 TIMEOUT_S = 900
 
 
-class Served:
-    """Calls the running suite: through the gateway (text in) or straight to inference (ids in)."""
+def seed_of(text: str) -> int:
+    """The seed of a sampled request: the same for the same prompt on every door."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
-    def __init__(self, suite: Suite, key: str) -> None:
-        self.suite, self.key = suite, key
+
+class Served:
+    """Calls the running suite: through the gateway (text in, past the cache; greedy unless
+    ``temperature``, then seeded per prompt) or straight to inference (ids in, greedy)."""
+
+    def __init__(self, suite: Suite, key: str, temperature: float = 0.0) -> None:
+        self.suite, self.key, self.temperature = suite, key, temperature
 
     async def one(self, a: Arrival, via: str, channel: aio.Channel) -> Timing:
         started = time.perf_counter()
         if via == "gateway":
-            request = gateway_pb2.GenerateRequest(
-                sampling=common_pb2.SamplingParams(max_new_tokens=a.max_new, temperature=0.0),
-                cache=gateway_pb2.CACHE_POLICY_BYPASS)
+            sampling = common_pb2.SamplingParams(max_new_tokens=a.max_new, temperature=self.temperature)
+            if self.temperature:
+                sampling.seed = seed_of(a.text)
+            request = gateway_pb2.GenerateRequest(sampling=sampling, cache=gateway_pb2.CACHE_POLICY_BYPASS)
             request.chat.messages.add(role="user", content=a.text)
             call = gateway_pb2_grpc.GatewayStub(channel).Generate(
                 request, timeout=TIMEOUT_S, metadata=(("authorization", f"Bearer {self.key}"),))
