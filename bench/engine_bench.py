@@ -11,7 +11,8 @@ for this CPU, Hugging Face in the dtype it runs fastest in here (``--hf-dtype``)
     max_new_tokens 16-256) through the gateway vs static HF batches at the same concurrency,
     with TTFT and inter-token latency (``--rounds`` runs through the gateway, medians; each HF
     batch timed once, the batches spread over the rounds), and again on a second suite with
-    speculative decoding off, to show what continuous batching alone gives;
+    speculative decoding off, to show what continuous batching alone gives; (c)'s drafted and
+    confirmed tokens are its own (the service's counters read before and after its rounds);
     (d) the batch-size sweep (in-process engine, fixed-length outputs): throughput and latency
     against max_num_seqs, with the knee marked.
 Other benchmarks may ride on (a)'s rounds (``Leg``): ``make bench`` runs the fleet bench's second
@@ -43,7 +44,7 @@ from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.engine_report import add_ratios, plot
 from bench.hf_baseline import HF, best_dtype, hf_sequential, hf_static, static_groups, static_schedule, time_group
 from bench.measure import machine, median_run, run_and_write
-from bench.served import Served, speculation_stats, start_suite
+from bench.served import Served, speculation_between, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
 from bench.workload import Arrival, chat_ids, prompts
 from services.inference.model import TORCH_DTYPES
@@ -142,9 +143,10 @@ async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], m
             for leg in riders:
                 await leg.warm(full)
             a, b = await run_a_b(served, hf, full, args, riders)
+            before = await speculation_stats(suite)
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
-                 **await run_c(served, hf, mixed, args.concurrency, args.rounds),
-                 "speculation": await speculation_stats(suite)}
+                 **await run_c(served, hf, mixed, args.concurrency, args.rounds)}
+            c["speculation"] = speculation_between(before, await speculation_stats(suite))
             del hf
         finally:
             suite.stop()

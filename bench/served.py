@@ -73,5 +73,13 @@ async def speculation_stats(suite: Suite) -> dict[str, Any]:
     async with aio.insecure_channel(suite.config.address("inference")) as channel:
         s = await inference_pb2_grpc.InferenceStub(channel).Stats(inference_pb2.InferenceStatsRequest(), timeout=30)
     return {"draft_tokens": s.num_draft_tokens, "accepted_draft_tokens": s.num_accepted_draft_tokens,
-            "generated_tokens": s.num_generated_tokens, "steps": s.num_steps,
-            "acceptance": s.num_accepted_draft_tokens / max(s.num_draft_tokens, 1)}
+            "generated_tokens": s.num_generated_tokens, "steps": s.num_steps}
+
+
+def speculation_between(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What speculative decoding did between two ``speculation_stats``: the counts, the share
+    of drafts confirmed (``acceptance``) and the share of generated tokens that were confirmed
+    drafts (``confirmed_share``: tokens that took no step of their own)."""
+    delta = {name: after[name] - before[name] for name in after}
+    return {**delta, "acceptance": delta["accepted_draft_tokens"] / max(delta["draft_tokens"], 1),
+            "confirmed_share": delta["accepted_draft_tokens"] / max(delta["generated_tokens"], 1)}

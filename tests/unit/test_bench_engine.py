@@ -1,6 +1,7 @@
 """The engine bench's mixed-workload baseline (bench/engine_bench.py, bench/hf_baseline.py): the
 static batches replayed on one clock, and each batch timed once, spread over the rounds; and the
-other benches' legs riding on (a)'s rounds (bench/shared_rounds.py)."""
+other benches' legs riding on (a)'s rounds (bench/shared_rounds.py); what speculative decoding did
+in (c) alone."""
 
 import argparse
 import asyncio
@@ -11,7 +12,7 @@ import pytest
 
 from bench.engine_bench import run_a_b, run_c
 from bench.hf_baseline import HF, static_groups, static_schedule
-from bench.served import Served
+from bench.served import Served, speculation_between
 from bench.workload import Arrival
 
 EOS = frozenset({0})
@@ -139,3 +140,20 @@ def test_without_legs_a_round_is_hf_direct_and_gateway() -> None:
                         [arrival(0.0, 64)], args))
     assert events == ["hf x1", "inference x1 at None", "gateway x1 at None"] * 2 + [
         "hf x1", "inference x1 at None", "gateway x1 at None"]
+
+
+def test_speculation_of_c_counts_only_what_happened_between_its_two_readings() -> None:
+    # The service's counters run from its start: (a) and (b) drafted before (c) began.
+    before = {"draft_tokens": 40, "accepted_draft_tokens": 30, "generated_tokens": 9000, "steps": 400}
+    after = {"draft_tokens": 140, "accepted_draft_tokens": 120, "generated_tokens": 15000, "steps": 900}
+    c = speculation_between(before, after)
+    assert {k: c[k] for k in before} == {"draft_tokens": 100, "accepted_draft_tokens": 90,
+                                         "generated_tokens": 6000, "steps": 500}
+    assert c["acceptance"] == pytest.approx(0.9)
+    assert c["confirmed_share"] == pytest.approx(90 / 6000)
+
+
+def test_speculation_that_drafted_nothing_reports_zero_shares() -> None:
+    same = {"draft_tokens": 7, "accepted_draft_tokens": 5, "generated_tokens": 100, "steps": 50}
+    c = speculation_between(same, same)
+    assert (c["acceptance"], c["confirmed_share"]) == (0.0, 0.0)
