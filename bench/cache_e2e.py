@@ -14,6 +14,7 @@ from sending to the first text and to the last message.
 from __future__ import annotations
 
 import asyncio
+import shutil
 import statistics
 import tempfile
 import time
@@ -130,8 +131,12 @@ def bench_end_to_end(scored: Sequence[ScoredPair], threshold: float, count: int,
         asyncio.run(suite.start(timeout_s=600))
         start_s = time.perf_counter() - started
         result = asyncio.run(_run(suite, pairs, miss_prompts, max_new_tokens, miss_tokens))
+    except BaseException:
+        print(f"the suite's home, its logs included, is kept at {home}", flush=True)
+        raise
     finally:
         suite.stop()
+    shutil.rmtree(home, ignore_errors=True)
     result = {"suite_start_s": round(start_s, 1), "max_new_tokens": max_new_tokens, **result}
     for name in ("semantic_hit", "exact_hit"):
         p50 = result[name]["total"]["p50_ms"]
