@@ -41,16 +41,53 @@ struct Shape {
   int64_t slots, heads, queries, dim;
   int64_t k_slot, k_head, k_pos, v_slot, v_head, v_pos;  // strides of k and v (elements)
   int64_t s_slot, s_head;                                // strides of the int8 scales (position stride 1)
+  bool balanced;  // the tasks split among the threads by their keys (balanced_cuts), else by count
 };
+
+// A (slot, head) task's set-up (widening its queries, the softmax passes), in keys' worth of work.
+constexpr int64_t kSetupKeys = 8;
+
+// The (slot, head) tasks cut into at most `parts` runs of about equal work; cuts[c]..cuts[c + 1]
+// is run c. A task's work is its slot's longest key count (each of its queries is scored against
+// that many keys) plus kSetupKeys. at::parallel_for alone cuts the tasks into runs of equal
+// count, so where slots hold contexts of unequal lengths one thread gets the long ones and the
+// other waits for it at the end of the op.
+std::vector<int64_t> balanced_cuts(const int32_t* lens, const Shape& s, int64_t parts) {
+  const int64_t n = s.slots * s.heads;
+  parts = std::max<int64_t>(1, std::min(parts, n));
+  if (!s.balanced) {  // runs of equal count, as at::parallel_for cuts a range by itself
+    std::vector<int64_t> cuts;
+    const int64_t step = (n + parts - 1) / parts;
+    for (int64_t c = 0; c < n; c += step) cuts.push_back(c);
+    cuts.push_back(n);
+    return cuts;
+  }
+  std::vector<int64_t> cost(s.slots);
+  int64_t total = 0;
+  for (int64_t b = 0; b < s.slots; ++b) {
+    cost[b] = *std::max_element(lens + b * s.queries, lens + (b + 1) * s.queries) + kSetupKeys;
+    total += cost[b] * s.heads;
+  }
+  std::vector<int64_t> cuts{0};
+  int64_t done = 0;
+  for (int64_t bh = 0; bh + 1 < n && static_cast<int64_t>(cuts.size()) < parts; ++bh) {
+    done += cost[bh / s.heads];
+    if (done * parts >= total * static_cast<int64_t>(cuts.size())) cuts.push_back(bh + 1);  // a share is full
+  }
+  cuts.push_back(n);
+  return cuts;
+}
 
 // D > 0: the head size known at compile time (the loops unroll); 0: read from the shape.
 template <typename Q, typename KV, int D>
 void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float* v_scale, const int32_t* lens,
          Q* out, const Shape& s, float scale) {
   const int64_t d = D > 0 ? D : s.dim, nq = s.queries;
-  at::parallel_for(0, s.slots * s.heads, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<int64_t> cuts = balanced_cuts(lens, s, at::in_parallel_region() ? 1 : at::get_num_threads());
+  // One run per thread: at::parallel_for over the runs, grain 1.
+  at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> qf(nq * d), acc(nq * d), row(d), scores;
-    for (int64_t bh = begin; bh < end; ++bh) {
+    for (int64_t bh = cuts[first]; bh < cuts[last]; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
       const KV* kb = k + b * s.k_slot + h * s.k_head;
       const KV* vb = v + b * s.v_slot + h * s.v_head;
@@ -179,9 +216,12 @@ namespace aiserve_ops {
 // q: [B, H, Q, D] contiguous, bfloat16 or float32; k, v: [B, H, >= max(lens), D] with unit stride
 // in D, in q's dtype or int8 (then k_scale, v_scale: [B, H, >= max(lens)] float32, unit stride
 // in the position); lens: [B, Q] int32, each >= 1. Returns [B, H, Q, D] in q's dtype.
+// balanced: the (slot, head) tasks are split among the threads by the keys they read; false
+// splits them by count (at::parallel_for's own cut, kept to measure against). The same bits
+// either way: each task is computed whole by one thread.
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             double scale, const std::optional<at::Tensor>& k_scale,
-                            const std::optional<at::Tensor>& v_scale) {
+                            const std::optional<at::Tensor>& v_scale, bool balanced) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v need 4 dimensions");
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors");
   TORCH_CHECK(q.is_contiguous(), "decode_attention: q must be contiguous");
@@ -201,7 +241,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: int8 k, v come with k_scale and v_scale, others without");
   TORCH_CHECK(quantized || k.scalar_type() == q.scalar_type(), "decode_attention: k, v in q's dtype or int8");
   Shape s{q.size(0), q.size(1), q.size(2), q.size(3), k.stride(0), k.stride(1), k.stride(2),
-          v.stride(0), v.stride(1), v.stride(2), 0, 0};
+          v.stride(0), v.stride(1), v.stride(2), 0, 0, balanced};
   const float* ks = nullptr;
   const float* vs = nullptr;
   if (quantized) {
@@ -238,7 +278,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 TORCH_LIBRARY(aiserve, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor lens, float scale, Tensor? k_scale=None, "
-        "Tensor? v_scale=None) -> Tensor");
+        "Tensor? v_scale=None, bool balanced=True) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiserve, CPU, m) { m.impl("decode_attention", &aiserve_ops::decode_attention); }

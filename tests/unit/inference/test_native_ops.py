@@ -65,6 +65,37 @@ def test_a_query_reads_only_its_own_keys() -> None:
     assert torch.equal(before.permute(0, 2, 1, 3)[shortest], after.permute(0, 2, 1, 3)[shortest])
 
 
+SLOT_LENGTHS = {
+    "equal": [60] * 9,
+    "the long ones first": [60] * 4 + [3] * 5,
+    "one long, at the end": [2] * 8 + [60],
+    "one slot": [60],
+}
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8])
+@pytest.mark.parametrize("pattern", SLOT_LENGTHS)
+def test_the_threads_split_the_work_by_keys_and_give_one_threads_bits(threads: int, pattern: str) -> None:
+    """The (slot, head) tasks go to the threads by the keys they read (or, to measure against, by
+    count): every task is computed whole by one thread, so the bits are those of one thread
+    whatever the split, the lengths and the thread count (more threads than tasks included)."""
+    longest = SLOT_LENGTHS[pattern]
+    q, k, v, _ = problem(len(longest), 3, 3, 64, 60, torch.bfloat16, seed=threads)
+    lens = torch.tensor([[max(1, n - 2 + i) if n > 2 else n for i in range(3)] for n in longest], dtype=torch.int32)
+    lens[:, -1] = torch.tensor(longest, dtype=torch.int32)  # each slot's last query reads all its keys
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125)
+        torch.set_num_threads(threads)
+        by_keys = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125)
+        by_count = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125, None, None, False)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(by_keys, alone) and torch.equal(by_count, alone)
+    torch.testing.assert_close(alone.double(), reference(q, k, v, lens), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_an_int8_cache_is_read_with_its_scales(dtype: torch.dtype) -> None:
     q, k, v, lens = problem(6, 3, 3, 64, 40, torch.float32, seed=2)
