@@ -229,6 +229,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                   && k.size(3) == q.size(3) && v.size(3) == q.size(3) && k.size(2) == v.size(2),
               "decode_attention: k, v must be [B, H, T, D] like q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k, v need unit stride in D");
+  TORCH_CHECK(q.size(2) >= 1, "decode_attention: q needs at least 1 query per slot and head, got 0");
   TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.dim() == 2 && lens.size(0) == q.size(0)
                   && lens.size(1) == q.size(2),
               "decode_attention: lens must be [B, Q] int32");
