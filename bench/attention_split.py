@@ -76,7 +76,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             "cases": {name: measure(lengths, dtype, args.rounds, args.calls) for name, lengths in cases().items()}}
 
 
-def plot(report: dict[str, Any], path: Path) -> None:
+def plot_pair(report: dict[str, Any], path: Path, base: tuple[str, str], new: tuple[str, str], ylabel: str) -> None:
+    """Each case's two timings side by side (``base`` and ``new``: the row's key and its label),
+    the new one marked with the row's speedup."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,17 +88,22 @@ def plot(report: dict[str, Any], path: Path) -> None:
     rows = [report["cases"][n] for n in names]
     x = range(len(names))
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    ax.bar([i - 0.2 for i in x], [r["by_count_ms"] for r in rows], 0.4, label="split by count", color="grey")
-    ax.bar([i + 0.2 for i in x], [r["by_keys_ms"] for r in rows], 0.4, label="split by keys", color="tab:blue")
+    ax.bar([i - 0.2 for i in x], [r[base[0]] for r in rows], 0.4, label=base[1], color="grey")
+    ax.bar([i + 0.2 for i in x], [r[new[0]] for r in rows], 0.4, label=new[1], color="tab:blue")
     for i, r in zip(x, rows, strict=True):
-        ax.text(i + 0.2, r["by_keys_ms"], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.text(i + 0.2, r[new[0]], f"{r['speedup']:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(list(x), [n.replace(", ", ",\n") for n in names], fontsize=8)
-    ax.set_ylabel("ms per call (one layer's decode attention)")
+    ax.set_ylabel(ylabel)
     m = report["machine"]
     ax.set_title(f"decode attention, {report['dtype']}, {m['threads']} threads, {m['cpu']}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    plot_pair(report, path, ("by_count_ms", "split by count"), ("by_keys_ms", "split by keys"),
+              "ms per call (one layer's decode attention)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

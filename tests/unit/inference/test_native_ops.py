@@ -46,7 +46,7 @@ def problem(slots: int, heads: int, queries: int, dim: int, length: int, dtype: 
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize(("heads", "queries", "dim"), [(3, 3, 64), (2, 12, 64), (4, 2, 128), (1, 5, 40)])
+@pytest.mark.parametrize(("heads", "queries", "dim"), [(3, 3, 64), (2, 12, 64), (4, 2, 128), (1, 5, 40), (2, 4, 20)])
 def test_matches_sdpa_with_the_mask(dtype: torch.dtype, tolerance: float, heads: int, queries: int, dim: int) -> None:
     q, k, v, lens = problem(9, heads, queries, dim, 50, dtype, seed=queries)
     out = torch.ops.aiserve.decode_attention(q, k, v, lens, dim**-0.5)
@@ -78,7 +78,8 @@ SLOT_LENGTHS = {
 def test_the_threads_split_the_work_by_keys_and_give_one_threads_bits(threads: int, pattern: str) -> None:
     """The (slot, head) tasks go to the threads by the keys they read (or, to measure against, by
     count): every task is computed whole by one thread, so the bits are those of one thread
-    whatever the split, the lengths and the thread count (more threads than tasks included)."""
+    whatever the split, the lengths and the thread count (more threads than tasks included);
+    fetching the next task's keys ahead (or not, to measure against) changes no bit either."""
     longest = SLOT_LENGTHS[pattern]
     q, k, v, _ = problem(len(longest), 3, 3, 64, 60, torch.bfloat16, seed=threads)
     lens = torch.tensor([[max(1, n - 2 + i) if n > 2 else n for i in range(3)] for n in longest], dtype=torch.int32)
@@ -90,9 +91,10 @@ def test_the_threads_split_the_work_by_keys_and_give_one_threads_bits(threads: i
         torch.set_num_threads(threads)
         by_keys = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125)
         by_count = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125, None, None, False)
+        unfetched = torch.ops.aiserve.decode_attention(q, k, v, lens, 0.125, None, None, True, False)
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(by_keys, alone) and torch.equal(by_count, alone)
+    assert torch.equal(by_keys, alone) and torch.equal(by_count, alone) and torch.equal(unfetched, alone)
     torch.testing.assert_close(alone.double(), reference(q, k, v, lens), atol=2e-2, rtol=2e-2)
 
 
