@@ -211,10 +211,10 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
         int64_t i = 0;  // three queries at a time (the default model's group), then one
         for (; i + 3 <= nq; i += 3)
           score<3, D>(qf.data() + i * d, kb, s.k_pos, ksb, length, d, scores.data() + i * length, next.data(),
-                      i == 0 && s.prefetch ? 2 : 0);
+                      i == 0 ? 2 : 0);
         for (; i < nq; ++i)
           score<1, D>(qf.data() + i * d, kb, s.k_pos, ksb, length, d, scores.data() + i * length, next.data(),
-                      i == 0 && s.prefetch ? 2 : 0);
+                      i == 0 ? 2 : 0);
       }
       for (int64_t i = 0; i < nq; ++i) {  // softmax over each query's own keys; the rest weigh 0
         float* si = scores.data() + i * length;
@@ -323,6 +323,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "decode_attention: k, v must be [B, H, T, D] like q");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k, v need unit stride in D");
   TORCH_CHECK(q.size(2) >= 1, "decode_attention: q needs at least 1 query per slot and head, got 0");
+  TORCH_CHECK(q.size(3) >= 1, "decode_attention: q needs at least 1 value per head, got 0");
   TORCH_CHECK(lens.scalar_type() == at::kInt && lens.is_contiguous() && lens.dim() == 2 && lens.size(0) == q.size(0)
                   && lens.size(1) == q.size(2),
               "decode_attention: lens must be [B, Q] int32");

@@ -121,6 +121,8 @@ def test_bad_input_is_refused_with_the_limit() -> None:
         torch.ops.aiserve.decode_attention(q.half(), k.half(), v.half(), lens, 0.125)
     with pytest.raises(RuntimeError, match="at least 1 query"):  # no query has a length to read up to
         torch.ops.aiserve.decode_attention(q[:, :, :0], k, v, lens[:, :0], 0.125)
+    with pytest.raises(RuntimeError, match="at least 1 value per head"):  # no row of K or V to fetch ahead
+        torch.ops.aiserve.decode_attention(q[..., :0], k[..., :0], v[..., :0], lens, 0.125)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
