@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <array>
+#include <span>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -128,7 +129,7 @@ constexpr int64_t kAheadBytes = 64 * 1024;
 // added one by one. While the keys stream by, ``ahead``'s rows of the same numbers are fetched.
 template <int R, int D, typename KV>
 void score(const float* qf, const KV* kb, int64_t k_pos, const float* ks, int64_t length, int64_t dim,
-           float* scores, const Rows* ahead, int64_t num_ahead) {
+           float* scores, std::span<const Rows> ahead) {
   const int64_t d = D > 0 ? D : dim, vec = d - d % 8;
   auto tail = [&](int r, const KV* kj) {
     float t = 0.f;
@@ -137,7 +138,7 @@ void score(const float* qf, const KV* kb, int64_t k_pos, const float* ks, int64_
   };
   int64_t j = 0;
   for (; j + 4 <= length; j += 4) {
-    for (int64_t a = 0; a < num_ahead; ++a) ahead[a].prefetch(j, j + 4);
+    for (const Rows& rows : ahead) rows.prefetch(j, j + 4);
     const KV* k0 = kb + j * k_pos;
     __m256 acc[R][4];
     for (int r = 0; r < R; ++r)
@@ -160,7 +161,7 @@ void score(const float* qf, const KV* kb, int64_t k_pos, const float* ks, int64_
     }
   }
   for (; j < length; ++j) {
-    for (int64_t a = 0; a < num_ahead; ++a) ahead[a].prefetch(j, j + 1);
+    for (const Rows& rows : ahead) rows.prefetch(j, j + 1);
     const KV* kj = kb + j * k_pos;
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -182,6 +183,16 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
   // One run per thread: at::parallel_for over the runs, grain 1.
   at::parallel_for(0, static_cast<int64_t>(cuts.size()) - 1, 1, [&](int64_t first, int64_t last) {
     std::vector<float> qf(nq * d), acc(nq * d), scores;
+    // A task's K and V rows to fetch ahead (at most kAheadBytes of each)
+    const int64_t row = d * static_cast<int64_t>(sizeof(KV));
+    const int64_t k_pos = s.k_pos * static_cast<int64_t>(sizeof(KV)), v_pos = s.v_pos * static_cast<int64_t>(sizeof(KV));
+    auto blocks = [&](int64_t task) -> std::array<Rows, 2> {
+      const int64_t tb = task / s.heads, th = task % s.heads;
+      const int32_t* tl = lens + tb * nq;
+      const int64_t count = std::min<int64_t>(*std::max_element(tl, tl + nq), kAheadBytes / row);
+      return {Rows{reinterpret_cast<const char*>(k + tb * s.k_slot + th * s.k_head), k_pos, row, count},
+              Rows{reinterpret_cast<const char*>(v + tb * s.v_slot + th * s.v_head), v_pos, row, count}};
+    };
     for (int64_t bh = cuts[first]; bh < cuts[last]; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
       const KV* kb = k + b * s.k_slot + h * s.k_head;
@@ -193,29 +204,19 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
       const Q* qb = q + bh * nq * d;
       for (int64_t i = 0; i < nq * d; ++i) qf[i] = widen(qb[i]) * scale;
       scores.assign(nq * length, 0.f);
-      // Fetched while this task's keys are scored: the next task's K and V (the run's first task
-      // fetches its own first). Its V is read after the softmax, by when it has come.
-      const int64_t row = d * static_cast<int64_t>(sizeof(KV));
-      const int64_t k_pos = s.k_pos * static_cast<int64_t>(sizeof(KV)), v_pos = s.v_pos * static_cast<int64_t>(sizeof(KV));
-      auto blocks = [&](int64_t task) -> std::array<Rows, 2> {
-        const int64_t tb = task / s.heads, th = task % s.heads;
-        const int32_t* tl = lens + tb * nq;
-        const int64_t count = std::min<int64_t>(*std::max_element(tl, tl + nq), kAheadBytes / row);
-        return {Rows{reinterpret_cast<const char*>(k + tb * s.k_slot + th * s.k_head), k_pos, row, count},
-                Rows{reinterpret_cast<const char*>(v + tb * s.v_slot + th * s.v_head), v_pos, row, count}};
-      };
+      // Fetched while this task's keys are scored (by its first queries' pass): the next task's K
+      // and V (the run's first task fetches its own first). Its V is read after the softmax, by
+      // when it has come.
       if (s.prefetch && bh == cuts[first])
         for (const Rows& own : blocks(bh)) own.prefetch(0, own.count);
       const std::array<Rows, 2> next = s.prefetch && bh + 1 < cuts[last] ? blocks(bh + 1) : std::array<Rows, 2>{};
-      {
-        int64_t i = 0;  // three queries at a time (the default model's group), then one
-        for (; i + 3 <= nq; i += 3)
-          score<3, D>(qf.data() + i * d, kb, s.k_pos, ksb, length, d, scores.data() + i * length, next.data(),
-                      i == 0 ? 2 : 0);
-        for (; i < nq; ++i)
-          score<1, D>(qf.data() + i * d, kb, s.k_pos, ksb, length, d, scores.data() + i * length, next.data(),
-                      i == 0 ? 2 : 0);
-      }
+      int64_t q0 = 0;  // three queries at a time (the default model's group), then one
+      for (; q0 + 3 <= nq; q0 += 3)
+        score<3, D>(qf.data() + q0 * d, kb, s.k_pos, ksb, length, d, scores.data() + q0 * length,
+                    q0 == 0 ? std::span<const Rows>(next) : std::span<const Rows>());
+      for (; q0 < nq; ++q0)
+        score<1, D>(qf.data() + q0 * d, kb, s.k_pos, ksb, length, d, scores.data() + q0 * length,
+                    q0 == 0 ? std::span<const Rows>(next) : std::span<const Rows>());
       for (int64_t i = 0; i < nq; ++i) {  // softmax over each query's own keys; the rest weigh 0
         float* si = scores.data() + i * length;
         const int64_t n = lb[i];
