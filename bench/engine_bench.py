@@ -29,7 +29,6 @@ import argparse
 import json
 import random
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from pathlib import Path
@@ -43,7 +42,7 @@ from aiserve.model_facts import read_model_facts
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.engine_report import add_ratios, plot
 from bench.hf_baseline import HF, best_dtype, hf_sequential, hf_static, static_groups, static_schedule, time_group
-from bench.measure import machine, median_run, run_and_write
+from bench.measure import Laps, machine, median_run, run_and_write
 from bench.served import Served, speculation_between, speculation_stats, start_suite
 from bench.sweep import knee, sweep_one
 from bench.workload import Arrival, chat_ids, prompts
@@ -77,11 +76,12 @@ async def run_sweep(folder: Path, ids: Sequence[list[int]], args: argparse.Names
 
 
 async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argparse.Namespace,
-                  legs: Sequence[Leg] = ()) -> tuple[dict[str, Any], dict[str, Any]]:
+                  legs: Sequence[Leg] = (), laps: Laps | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """(a) 64 x 64 in rounds, each side in turn, so a slow minute of the VM hits all of them:
     HF, the engine directly, then the gateway and ``legs`` (that order, reversed every other
     round, so none always runs first), each leg finished after the last round; then (b) one
-    request alone."""
+    request alone. ``laps``: the rounds', the legs' finish and the rest's seconds."""
+    laps = laps or Laps()
     ids = [a.prompt_ids for a in full]
     sides: dict[str, Callable[[], Awaitable[dict[str, Any]]]] = {
         "gateway": lambda: served.run(full, "gateway"), **{leg.name: partial(leg.run, full) for leg in legs}}
@@ -91,13 +91,16 @@ async def run_a_b(served: Served, hf: HF, full: Sequence[Arrival], args: argpars
         runs["direct"].append(await served.run(full, "inference"))
         for name in sides if turn % 2 == 0 else reversed(sides):
             runs[name].append(await sides[name]())
+    laps.lap("a_rounds")
     for leg in legs:
         await leg.finish(runs[leg.name], runs["gateway"])
+    laps.lap("a_legs_finish")
     a = {name: median_run(runs[name]) for name in ("hf_static", "direct", "gateway")}
     a["hf_sequential"] = hf_sequential(hf, ids[: args.sequential], 64)
     alone = [Arrival(0.0, full[0].text, full[0].prompt_ids, 64)]
     b = {"hf": a["hf_sequential"], "direct": await served.run(alone, "inference"),
          "gateway": await served.run(alone, "gateway")}
+    laps.lap("a_hf_sequential_and_b")
     return a, b
 
 
@@ -126,10 +129,11 @@ async def run_c(served: Served, hf: HF | None, mixed: Sequence[Arrival], concurr
 
 
 async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], mixed: Sequence[Arrival],
-                     args: argparse.Namespace, legs: Legs | None = None
+                     args: argparse.Namespace, legs: Legs | None = None, laps: Laps | None = None
                      ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """(a), (b) and (c) against a suite with the default settings, HF loaded beside it (the two
-    never run at once), and ``legs`` riding on (a)."""
+    never run at once), and ``legs`` riding on (a); ``laps``: where that time went."""
+    laps = laps or Laps()
     eos = read_model_facts(folder).eos_token_ids
     with tempfile.TemporaryDirectory() as home:
         suite = await start_suite(Path(home), store)
@@ -142,11 +146,13 @@ async def run_served(folder: Path, store: ModelStore, full: Sequence[Arrival], m
             await served.run(full[:2], "gateway")
             for leg in riders:
                 await leg.warm(full)
-            a, b = await run_a_b(served, hf, full, args, riders)
+            laps.lap("suites_hf_and_warm_up")
+            a, b = await run_a_b(served, hf, full, args, riders, laps)
             before = await speculation_stats(suite)
             c = {"concurrency": args.concurrency, "requests": args.mixed, "spread_s": args.mixed_spread_s,
                  **await run_c(served, hf, mixed, args.concurrency, args.rounds)}
             c["speculation"] = speculation_between(before, await speculation_stats(suite))
+            laps.lap("c_rounds")
             del hf
         finally:
             suite.stop()
@@ -180,17 +186,17 @@ async def bench(args: argparse.Namespace, legs: Legs | None = None) -> dict[str,
     full = [Arrival(0.0, t, i, 64) for t, i in zip(texts, ids, strict=True)]
     report: dict[str, Any] = {"machine": {**machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},
                               "engine_precision": "auto (services/inference/precision.py)", "hf_dtype": args.hf_dtype}
-    part_s: dict[str, float] = {}  # where the bench's own time goes
-    started = time.perf_counter()
+    laps, served_laps = Laps(), Laps()  # where the bench's own time goes
     print("sweep ...", flush=True)
     report["d_sweep"] = await run_sweep(folder, ids, args)
-    part_s["d_sweep"], started = round(time.perf_counter() - started, 1), time.perf_counter()
+    laps.lap("d_sweep")
     print("served and HF ...", flush=True)
-    a, b, c = await run_served(folder, store, full, mixed, args, legs)
-    part_s["a_b_c_served_and_hf"], started = round(time.perf_counter() - started, 1), time.perf_counter()
+    a, b, c = await run_served(folder, store, full, mixed, args, legs, served_laps)
+    laps.lap("a_b_c_served_and_hf")
     print("(c) with speculative decoding off ...", flush=True)
     c["no_speculation"] = await run_no_speculation(store, full, mixed, args)
-    part_s["c_no_speculation"] = round(time.perf_counter() - started, 1)
+    laps.lap("c_no_speculation")
+    part_s = {**laps.seconds, "a_b_c_split": served_laps.seconds}
     add_ratios(a, b, c)
     report.update(a_64_concurrent=a, b_alone=b, c_mixed=c, part_s=part_s)
     return report

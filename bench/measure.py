@@ -111,6 +111,20 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {**ordered[len(ordered) // 2], "runs_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs]}
 
 
+class Laps:
+    """Where a benchmark's own time goes: the seconds of each stretch, named as it ends."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        """The stretch since the previous lap (or since the start) ends here, named ``name``."""
+        now = time.perf_counter()
+        self.seconds[name] = round(now - self._last, 1)
+        self._last = now
+
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where every benchmark writes its JSON and PNG (git-ignored)."""
 

@@ -12,6 +12,7 @@ import pytest
 
 from bench.engine_bench import run_a_b, run_c
 from bench.hf_baseline import HF, static_groups, static_schedule
+from bench.measure import Laps
 from bench.served import Served, speculation_between
 from bench.workload import Arrival
 
@@ -119,8 +120,9 @@ def test_legs_ride_on_each_round_beside_the_gateway_and_are_finished_with_its_ru
     full = [arrival(0.0, 64, first_id=i) for i in range(4)]
     http, fleet = RecordingLeg("http", events), RecordingLeg("two", events)
     args = argparse.Namespace(rounds=3, sequential=1)
+    laps = Laps()
     a, b = asyncio.run(run_a_b(cast(Served, EveryRunServed(events)), cast(HF, CountingHF(events)), full, args,
-                               (http, fleet)))
+                               (http, fleet), laps))
     head, gateway = ["hf x4", "inference x4 at None"], "gateway x4 at None"
     assert events[:15] == [*head, gateway, "http x4", "two x4", *head, "two x4", "http x4", gateway,
                            *head, gateway, "http x4", "two x4"]
@@ -131,6 +133,8 @@ def test_legs_ride_on_each_round_beside_the_gateway_and_are_finished_with_its_ru
     assert fleet.finished == ([1.0, 2.0, 3.0], [20.0, 40.0, 60.0])
     assert a["gateway"]["runs_tokens_per_s"] == [20.0, 40.0, 60.0] and a["direct"]["tokens_per_s"] == 30.0
     assert b["gateway"]["tokens_per_s"] == 80.0
+    # the bench's own time, split where make bench's duration is read (docs/bench-duration.md)
+    assert list(laps.seconds) == ["a_rounds", "a_legs_finish", "a_hf_sequential_and_b"]
 
 
 def test_without_legs_a_round_is_hf_direct_and_gateway() -> None:
