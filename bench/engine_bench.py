@@ -186,11 +186,12 @@ async def bench(args: argparse.Namespace, legs: Legs | None = None) -> dict[str,
     full = [Arrival(0.0, t, i, 64) for t, i in zip(texts, ids, strict=True)]
     report: dict[str, Any] = {"machine": {**machine(), "torch": torch.__version__, "threads": torch.get_num_threads()},
                               "engine_precision": "auto (services/inference/precision.py)", "hf_dtype": args.hf_dtype}
-    laps, served_laps = Laps(), Laps()  # where the bench's own time goes
+    laps = Laps()  # where the bench's own time goes
     print("sweep ...", flush=True)
     report["d_sweep"] = await run_sweep(folder, ids, args)
     laps.lap("d_sweep")
     print("served and HF ...", flush=True)
+    served_laps = Laps()
     a, b, c = await run_served(folder, store, full, mixed, args, legs, served_laps)
     laps.lap("a_b_c_served_and_hf")
     print("(c) with speculative decoding off ...", flush=True)
