@@ -10,7 +10,6 @@ The bench times itself: bench/results/bench_duration.json has each benchmark's s
 total, against the 15 minutes a working session can give it (docs/decisions.md, 74)."""
 
 import json
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from bench import (
     report,
     shared_rounds,
 )
+from bench.measure import Laps
 
 BUDGET_S = 15 * 60
 """What ``make bench`` may take on either CPU kind."""
@@ -60,13 +60,13 @@ def plot(duration: dict[str, Any], path: Path) -> None:
 def main() -> int:
     """Runs the benchmarks in turn, stopping at the first that fails; the report and the
     durations are written either way."""
-    rc, seconds = 0, dict[str, float]()
+    rc, laps = 0, Laps()
     for name, run in PARTS:
-        started = time.perf_counter()
         rc = run() or 0
-        seconds[name] = round(time.perf_counter() - started, 1)
+        laps.lap(name)
         if rc:
             break
+    seconds = laps.seconds
     total = round(sum(seconds.values()), 1)
     duration = {"machine": report.machine(), "parts_s": seconds, "total_s": total, "budget_s": BUDGET_S,
                 "within_budget": total <= BUDGET_S, "complete": rc == 0}
