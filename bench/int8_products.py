@@ -41,15 +41,13 @@ import torch
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench.measure import machine, run_and_write
-from services.inference.evaluation import load_version
+from services.inference.evaluation import VersionRun, compare_text, load_version
+from services.inference.llama import WIDE_MIN_LOGIT_ROWS, WIDE_MIN_ROWS
 from services.inference.llama_weights import Layer, Linear
 from services.inference.offline import OfflineModel
 
 ROWS = (1, 16, 64)
 PRODUCTS = ("qkv", "o", "gate_up", "down")
-WIDE_MIN_ROWS, WIDE_MIN_LOGIT_ROWS = 4, 8
-"""As the model runs its layers' products and its lm_head (services/inference/llama.py): on
-the float32 copy from this many rows, where it has one."""
 
 
 class FbgemmRows:
@@ -143,25 +141,27 @@ def batch_invariant(layer: Layer, dtype: torch.dtype) -> dict[str, bool]:
     return {name: bool(torch.equal(f(batch[:1]), f(batch)[:1])) for name, f in ways.items()}
 
 
-def quality(model: OfflineModel, ids: Sequence[int], reduce_range: bool) -> dict[str, Any]:
-    """The text's logits with every decoder product on ``FbgemmRows`` against the model's own."""
-    base = torch.log_softmax(model.text_logits(ids)[:-1].float(), -1)
+def text_run(model: OfflineModel, ids: Sequence[int]) -> VersionRun:
+    """The model's log-probabilities over ``ids`` (no tasks), as ``aiserve eval`` reads a text."""
+    log_probs = torch.log_softmax(model.text_logits(ids)[:-1], dim=-1)
+    return VersionRun(log_probs, torch.tensor(ids[1:]), [], str(model.model.dtype).removeprefix("torch."))
+
+
+def quality(model: OfflineModel, ids: Sequence[int], base: VersionRun, reduce_range: bool) -> dict[str, Any]:
+    """The text with every decoder product on ``FbgemmRows`` against ``base``, the model's own run."""
     llama = model.model
     layers = llama.layers
     llama.layers = [dataclasses.replace(layer, **cast(dict[str, Any], {p: FbgemmRows(getattr(layer, p).w, reduce_range)
                                                                          for p in PRODUCTS}))
                     for layer in layers]
     try:
-        int8 = torch.log_softmax(model.text_logits(ids)[:-1].float(), -1)
+        int8 = text_run(model, ids)
     finally:
         llama.layers = layers
-    targets = torch.tensor(ids[1:])
-    kl = (base.exp() * (base - int8)).sum(-1).clamp_min(0)
-    nll = lambda lp: float(-lp.gather(1, targets[:, None]).mean())  # noqa: E731
-    return {"tokens": len(ids), "perplexity": math.exp(nll(base)), "int8_perplexity": math.exp(nll(int8)),
-            "perplexity_change_pct": 100 * (math.exp(nll(int8) - nll(base)) - 1),
-            "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
-            "top1_agreement": float((base.argmax(-1) == int8.argmax(-1)).float().mean())}
+    text = compare_text(base, int8)
+    return {"tokens": len(ids), "perplexity": base.perplexity, "int8_perplexity": int8.perplexity,
+            "perplexity_change_pct": 100 * (int8.perplexity / base.perplexity - 1),
+            "kl_mean": text.kl_mean, "kl_max": text.kl_max, "top1_agreement": text.top1_agreement}
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -179,8 +179,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "speed_ms": speeds(llama.layers[0], llama.lm_head, len(llama.layers), llama.dtype, args.repeat),
         "batch_invariant": batch_invariant(llama.layers[0], llama.dtype)}
     print("batch invariant:", report["batch_invariant"], flush=True)
+    base = text_run(model, ids)
     for bits, reduce_range in ((7, True), (8, False)):
-        report[f"quality_fbgemm_{bits}_bit"] = quality(model, ids, reduce_range)
+        report[f"quality_fbgemm_{bits}_bit"] = quality(model, ids, base, reduce_range)
         print(f"quality, {bits}-bit activations:", json.dumps(report[f"quality_fbgemm_{bits}_bit"]), flush=True)
     return report
 

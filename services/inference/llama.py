@@ -45,8 +45,8 @@ from services.inference.native_ops import unsupported
 # Packed, a layer's copies win alone from 2 rows (0.25 against 0.39 ms for its four products),
 # but one request decoding alone ran ~5% slower with 2 than with 4 (73 against 77 tokens/s,
 # alternated, the avx512_bf16 EPYC capped to AVX2), so 4 stays.
-_WIDE_MIN_ROWS = 4
-_WIDE_MIN_LOGIT_ROWS = 8
+WIDE_MIN_ROWS = 4
+WIDE_MIN_LOGIT_ROWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ class LlamaModel:
         h = F.embedding(batch.input_ids, self.embed)  # [N, hidden]
         cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
-        wide = n >= _WIDE_MIN_ROWS
+        wide = n >= WIDE_MIN_ROWS
         if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
                 and batch.single_lens is not None):  # decode rows only, one token a slot: no masks
             h = torch.ops.aiserve.decode_layers(
@@ -210,7 +210,7 @@ class LlamaModel:
     def _logits(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits [R, V] of ``batch.logits_rows`` of the last layer's output ``h``."""
         last = rms_norm(h[batch.logits_rows], self.norm, self.config.rms_norm_eps)  # [R, hidden]
-        return self.lm_head(last, last.shape[0] >= _WIDE_MIN_LOGIT_ROWS)  # [R, V]
+        return self.lm_head(last, last.shape[0] >= WIDE_MIN_LOGIT_ROWS)  # [R, V]
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
                   ) -> tuple[torch.Tensor, torch.Tensor]:
