@@ -176,12 +176,12 @@ class LlamaModel:
         cos = self._cos[batch.positions].to(self.dtype)  # [N, D]
         sin = self._signed_sin[batch.positions].to(self.dtype)  # [N, D], rotate_half's sign in
         wide = n >= WIDE_MIN_ROWS
-        if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None and k_scale is None
+        if (self.layers_in_cpp and batch.num_single == n and batch.single_index is None
                 and batch.single_lens is not None):  # decode rows only, one token a slot: no masks
             h = torch.ops.aiserve.decode_layers(
                 h, self._norms, *self._products[wide], cos, sin, k_cache, v_cache, batch.cache_rows,
                 batch.single_lo, batch.single_hi, batch.single_len, batch.single_lens, c.num_heads, c.num_kv_heads,
-                c.rms_norm_eps, bucket_rows(n))
+                c.rms_norm_eps, bucket_rows(n), k_scale, v_scale)
             return self._logits(h, batch)
         # SDPA turns a bool mask into an additive one on every call: once per step instead (our
         # decode attention reads single_lens instead)

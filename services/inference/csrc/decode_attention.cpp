@@ -8,9 +8,12 @@
 //
 // Arithmetic is float32 whatever the storage: bf16 values are widened exactly (a shift), an int8
 // cache is scaled per token (kv_cache.py's symmetric int8 with one scale per token per head).
-// The scores are AVX2 intrinsics (four keys a pass), the rest is written for the compiler to
-// vectorise (built with -O3 -mavx2 -mfma). While a task's keys are scored, the next task's K and V
-// are prefetched: without that the op read its cold cache at about a quarter of the bandwidth.
+// The scores (four keys a pass) and the weighted sum of V (three queries' sums of 16 values in
+// registers) are AVX2 intrinsics, the softmax is written for the compiler to vectorise (built with
+// -O3 -mavx2 -mfma). While a task's keys are scored, the next task's K and V (and an int8 cache's
+// scales) are prefetched: without that the op read its cold cache at about a quarter of the
+// bandwidth. The V sum was left to the compiler until it was found to vectorise int8 values four
+// at a time, through the stack, which made an int8 cache slower to read than a bf16 one.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -186,12 +189,20 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
     // A task's K and V rows to fetch ahead (at most kAheadBytes of each)
     const int64_t row = d * static_cast<int64_t>(sizeof(KV));
     const int64_t k_pos = s.k_pos * static_cast<int64_t>(sizeof(KV)), v_pos = s.v_pos * static_cast<int64_t>(sizeof(KV));
-    auto blocks = [&](int64_t task) -> std::array<Rows, 2> {
+    // and, for an int8 cache, its K and V scales (float32, one per key: whole lines of them)
+    auto blocks = [&](int64_t task) -> std::array<Rows, 4> {
       const int64_t tb = task / s.heads, th = task % s.heads;
       const int32_t* tl = lens + tb * nq;
-      const int64_t count = std::min<int64_t>(*std::max_element(tl, tl + nq), kAheadBytes / row);
-      return {Rows{reinterpret_cast<const char*>(k + tb * s.k_slot + th * s.k_head), k_pos, row, count},
-              Rows{reinterpret_cast<const char*>(v + tb * s.v_slot + th * s.v_head), v_pos, row, count}};
+      const int64_t keys = *std::max_element(tl, tl + nq), count = std::min<int64_t>(keys, kAheadBytes / row);
+      std::array<Rows, 4> out{
+          Rows{reinterpret_cast<const char*>(k + tb * s.k_slot + th * s.k_head), k_pos, row, count},
+          Rows{reinterpret_cast<const char*>(v + tb * s.v_slot + th * s.v_head), v_pos, row, count}, Rows{}, Rows{}};
+      if (k_scale) {
+        const int64_t offset = tb * s.s_slot + th * s.s_head, lines = (keys * 4 + 63) / 64;
+        out[2] = Rows{reinterpret_cast<const char*>(k_scale + offset), 64, 64, lines};
+        out[3] = Rows{reinterpret_cast<const char*>(v_scale + offset), 64, 64, lines};
+      }
+      return out;
     };
     for (int64_t bh = cuts[first]; bh < cuts[last]; ++bh) {
       const int64_t b = bh / s.heads, h = bh % s.heads;
@@ -209,7 +220,7 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
       // when it has come.
       if (s.prefetch && bh == cuts[first])
         for (const Rows& own : blocks(bh)) own.prefetch(0, own.count);
-      const std::array<Rows, 2> next = s.prefetch && bh + 1 < cuts[last] ? blocks(bh + 1) : std::array<Rows, 2>{};
+      const std::array<Rows, 4> next = s.prefetch && bh + 1 < cuts[last] ? blocks(bh + 1) : std::array<Rows, 4>{};
       int64_t q0 = 0;  // three queries at a time (the default model's group), then one
       for (; q0 + 3 <= nq; q0 += 3)
         score<3, D>(qf.data() + q0 * d, kb, s.k_pos, ksb, length, d, scores.data() + q0 * length,
@@ -252,21 +263,16 @@ void run(const Q* q, const KV* k, const KV* v, const float* k_scale, const float
         for (; i + 3 <= nq; i += 3) {
           const float *p0 = scores.data() + i * length, *p1 = p0 + length, *p2 = p1 + length;
           for (int64_t c0 = 0; c0 < d; c0 += kBlock) {
-            float x0[kBlock] = {}, x1[kBlock] = {}, x2[kBlock] = {};
+            __m256 x[3][2] = {};
             for (int64_t j = 0; j < length; ++j) {
               const KV* vj = vb + j * s.v_pos + c0;
-              const float w0 = p0[j], w1 = p1[j], w2 = p2[j];
-#pragma omp simd
-              for (int64_t c = 0; c < kBlock; ++c) {
-                const float r = widen(vj[c]);
-                x0[c] += w0 * r;
-                x1[c] += w1 * r;
-                x2[c] += w2 * r;
-              }
+              const __m256 r[2] = {load8(vj), load8(vj + 8)};
+              const __m256 w[3] = {_mm256_set1_ps(p0[j]), _mm256_set1_ps(p1[j]), _mm256_set1_ps(p2[j])};
+              for (int r3 = 0; r3 < 3; ++r3)
+                for (int half = 0; half < 2; ++half) x[r3][half] = _mm256_fmadd_ps(w[r3], r[half], x[r3][half]);
             }
-            std::memcpy(acc.data() + i * d + c0, x0, sizeof x0);
-            std::memcpy(acc.data() + (i + 1) * d + c0, x1, sizeof x1);
-            std::memcpy(acc.data() + (i + 2) * d + c0, x2, sizeof x2);
+            for (int r3 = 0; r3 < 3; ++r3)
+              for (int half = 0; half < 2; ++half) _mm256_storeu_ps(acc.data() + (i + r3) * d + c0 + 8 * half, x[r3][half]);
           }
         }
       for (; i < nq; ++i) {

@@ -10,9 +10,11 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -60,21 +62,68 @@ void store(const at::Tensor& cache, const at::Tensor& x, const int64_t* rows) {
     }
 }
 
+// The same rows into an int8 cache and its scales [S*KVH*T], as kv_cache.py's quantize_int8
+// writes them: per row, scale = max|x| / 127 (1 for a row of zeros), values x / scale rounded to
+// nearest even and clamped to +-127, all in float32 (torch's bits: its division is IEEE's too).
+template <typename T>
+void store_int8(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& x, const int64_t* rows) {
+  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), limit = cache.numel() / d;
+  auto* dst = cache.data_ptr<int8_t>();
+  auto* scale = scales.data_ptr<float>();
+  const T* src = x.data_ptr<T>();
+  std::vector<float> row_f(d);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t row = rows[t * heads + h];
+      TORCH_CHECK(row >= 0 && row < limit, "decode_layers: cache row ", row, " outside 0..", limit - 1);
+      const T* xr = src + t * x.stride(0) + h * x.stride(1);
+      float amax = 0.f;
+      for (int64_t c = 0; c < d; ++c) {
+        row_f[c] = static_cast<float>(xr[c]);
+        amax = std::max(amax, std::fabs(row_f[c]));
+      }
+      const float s = amax > 0.f ? amax / 127.f : 1.f;
+      int8_t* out = dst + row * d;
+      for (int64_t c = 0; c < d; ++c)
+        out[c] = static_cast<int8_t>(std::clamp(std::nearbyint(row_f[c] / s), -127.f, 127.f));
+      scale[row] = s;
+    }
+}
+
+// K or V of the step into one layer's cache: as it is, or quantized with its scales.
+void store_any(const at::Tensor& cache, const std::optional<at::Tensor>& scales, const at::Tensor& x,
+               const int64_t* rows) {
+  if (!scales) return store(cache, x, rows);
+  if (x.scalar_type() == at::kBFloat16) return store_int8<c10::BFloat16>(cache, *scales, x, rows);
+  store_int8<float>(cache, *scales, x, rows);
+}
+
 // h [N, hidden]: the embedded tokens of N decode rows, one per slot of [lo, hi) in slot order;
 // per layer, norms (attention's, then the MLP's) and weights, biases, modes of the products
 // (qkv, o, gate_up, down); cos, signed_sin [N, D]; k_cache, v_cache [layers, S, KVH, T, D];
 // cache_rows [N*KVH] (each new K/V's row in a layer's [S*KVH*T, D] view); lens [N, G] int32 (keys
-// each query reads). Returns h after the last layer (its residual added); writes the K/V.
+// each query reads); an int8 cache comes with its scales k_scale, v_scale [layers, S, KVH, T]
+// float32 (kv_cache.py), which the step's K/V rows are quantized into. Returns h after the last
+// layer (its residual added); writes the K/V.
 at::Tensor decode_layers(at::Tensor h, at::TensorList norms, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef modes,
                          const at::Tensor& cos, const at::Tensor& signed_sin, const at::Tensor& k_cache,
                          const at::Tensor& v_cache, const at::Tensor& cache_rows, int64_t lo, int64_t hi,
                          int64_t length, const at::Tensor& lens, int64_t num_heads, int64_t num_kv_heads, double eps,
-                         int64_t padded_rows) {
+                         int64_t padded_rows, const std::optional<at::Tensor>& k_scale,
+                         const std::optional<at::Tensor>& v_scale) {
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  const at::ScalarType stored = quantized ? at::kChar : h.scalar_type();
   TORCH_CHECK(k_cache.dim() == 5 && k_cache.is_contiguous() && v_cache.sizes() == k_cache.sizes()
-                  && v_cache.is_contiguous() && k_cache.scalar_type() == h.scalar_type()
-                  && v_cache.scalar_type() == h.scalar_type(),
-              "decode_layers: k_cache, v_cache must be contiguous [layers, S, KVH, T, D] in h's dtype");
+                  && v_cache.is_contiguous() && k_cache.scalar_type() == stored && v_cache.scalar_type() == stored,
+              "decode_layers: k_cache, v_cache must be contiguous [layers, S, KVH, T, D] in h's dtype or int8");
+  TORCH_CHECK(quantized == (k_scale.has_value() && v_scale.has_value()),
+              "decode_layers: an int8 cache comes with k_scale and v_scale, others without");
+  if (quantized)
+    for (const at::Tensor& s : {*k_scale, *v_scale})
+      TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous()
+                      && s.sizes() == k_cache.sizes().slice(0, 4),
+                  "decode_layers: k_scale, v_scale must be contiguous [layers, S, KVH, T] float32");
   const int64_t layers = k_cache.size(0), n = h.size(0), kvh = num_kv_heads, d = k_cache.size(4);
   TORCH_CHECK(num_heads > 0 && kvh > 0 && num_heads % kvh == 0 && k_cache.size(2) == kvh,
               "decode_layers: num_heads must be a multiple of num_kv_heads, the cache's KV heads");
@@ -97,12 +146,17 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList norms, at::TensorList weig
     at::Tensor heads = qkv.view({n, num_heads + 2 * kvh, d});
     aiserve_ops::rotate_(heads.narrow(1, 0, num_heads + kvh), cos, signed_sin);  // q and k
     const at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-    store(kc, heads.narrow(1, num_heads, kvh), rows);
-    store(vc, heads.narrow(1, num_heads + kvh, kvh), rows);
+    std::optional<at::Tensor> ks, vs, ks_read, vs_read;  // this layer's scales, and those the attention reads
+    if (quantized) {
+      ks = k_scale->select(0, l), vs = v_scale->select(0, l);
+      ks_read = ks->narrow(0, lo, n).narrow(2, 0, length), vs_read = vs->narrow(0, lo, n).narrow(2, 0, length);
+    }
+    store_any(kc, ks, heads.narrow(1, num_heads, kvh), rows);
+    store_any(vc, vs, heads.narrow(1, num_heads + kvh, kvh), rows);
     at::Tensor q = heads.narrow(1, 0, num_heads).view({n, kvh, num_heads / kvh, d}).contiguous();
     at::Tensor out = aiserve_ops::decode_attention(q, kc.narrow(0, lo, n).narrow(2, 0, length),
                                                    vc.narrow(0, lo, n).narrow(2, 0, length), lens, scale,
-                                                   std::nullopt, std::nullopt);
+                                                   ks_read, vs_read);
     at::Tensor o = linear(out.view({n, num_heads * d}), weights[p + 1], biases.get(p + 1), modes[p + 1], padded_rows);
     x = aiserve_ops::rms_norm(h, o, norms[2 * l + 1], eps);
     at::Tensor gate_up = linear(x, weights[p + 2], biases.get(p + 2), modes[p + 2], padded_rows);
@@ -118,7 +172,8 @@ at::Tensor decode_layers(at::Tensor h, at::TensorList norms, at::TensorList weig
 TORCH_LIBRARY_FRAGMENT(aiserve, m) {
   m.def("decode_layers(Tensor(a!) h, Tensor[] norms, Tensor[] weights, Tensor?[] biases, int[] modes, Tensor cos, "
         "Tensor signed_sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor cache_rows, int lo, int hi, int length, "
-        "Tensor lens, int num_heads, int num_kv_heads, float eps, int padded_rows) -> Tensor");
+        "Tensor lens, int num_heads, int num_kv_heads, float eps, int padded_rows, Tensor(d!)? k_scale=None, "
+        "Tensor(e!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(aiserve, CPU, m) { m.impl("decode_layers", &decode_layers); }

@@ -222,19 +222,24 @@ def test_the_model_applies_the_same_check_as_the_choice(model_dir: Path) -> None
     assert not LlamaModel.load(model_dir, CPU, torch.float16, native_ops=True).native_ops
 
 
-def decode_step(model: LlamaModel, slots: int, in_cpp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Logits and caches after one decode-only step of ``slots`` rows (one token each, contexts of
-    different lengths) over a random cache, the loop over layers in C++ or in Python."""
+def decode_step(model: LlamaModel, slots: int, in_cpp: bool, int8: bool = False) -> tuple[torch.Tensor, ...]:
+    """Logits and caches (and an int8 cache's scales) after one decode-only step of ``slots`` rows
+    (one token each, contexts of different lengths) over a random cache, the loop over layers in
+    C++ or in Python."""
     config = model.config
     shape = (config.num_layers, slots, config.num_kv_heads, 64, config.head_dim)
     g = torch.Generator().manual_seed(slots)
     k, v = (torch.randn(shape, generator=g).to(model.dtype) for _ in range(2))
+    scales: tuple[torch.Tensor, ...] = ()
+    if int8:
+        (k, k_scale), (v, v_scale) = quantize_int8(k), quantize_int8(v)
+        scales = (k_scale, v_scale)
     rows = [BatchRow(slot, 3 + (7 * slot) % 50, [(11 * slot) % 5000 + 100], True) for slot in range(slots)]
     model.layers_in_cpp = in_cpp
     with torch.inference_mode(), torch.profiler.profile() as prof:
-        logits = model.forward(build_batch(rows, config, 64, CPU, native_ops=True), k, v)
+        logits = model.forward(build_batch(rows, config, 64, CPU, native_ops=True), k, v, *scales)
     assert any(e.name == "aiserve::decode_layers" for e in prof.events()) == in_cpp
-    return logits, k, v
+    return logits, k, v, *scales
 
 
 @pytest.mark.parametrize(("dtype", "matmul_dtype", "pack"), [
@@ -255,6 +260,20 @@ def test_the_layer_loop_in_cpp_gives_the_python_loops_bits(model_dir: Path, dtyp
         assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("slots", [1, 5, 33])
+def test_the_layer_loop_in_cpp_writes_and_reads_an_int8_cache_as_the_python_loop(model_dir: Path,
+                                                                                  dtype: torch.dtype,
+                                                                                  slots: int) -> None:
+    """With K/V stored as int8, the step's rows are quantized as kv_cache.quantize_int8 does and
+    read with their scales: the same logits, int8 values and scales, bit for bit."""
+    model = LlamaModel.load(model_dir, CPU, dtype, native_ops=True)
+    python, cpp = (decode_step(model, slots, in_cpp, int8=True) for in_cpp in (False, True))
+    assert python[1].dtype == torch.int8 and len(python) == 5
+    for theirs, ours in zip(python, cpp, strict=True):
+        assert torch.equal(ours, theirs)
+
+
 def test_the_layer_loop_refuses_arguments_that_do_not_fit_the_cache() -> None:
     h, cache = torch.randn(2, 8), torch.zeros(1, 2, 1, 4, 8)
     lens, rows = torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, dtype=torch.long)
@@ -270,6 +289,13 @@ def test_the_layer_loop_refuses_arguments_that_do_not_fit_the_cache() -> None:
     with pytest.raises(RuntimeError, match=r"one row per slot of \[lo, hi\)"):
         torch.ops.aiserve.decode_layers(h, norms, weights, [None] * 4, [0] * 4, cos, sin, cache, cache.clone(),
                                         rows, 1, 2, 1, lens, 1, 1, 1e-5, 2)
+    int8, scale = torch.zeros(1, 2, 1, 4, 8, dtype=torch.int8), torch.ones(1, 2, 1, 4)
+    with pytest.raises(RuntimeError, match="an int8 cache comes with k_scale and v_scale"):
+        torch.ops.aiserve.decode_layers(h, norms, weights, [None] * 4, [0] * 4, cos, sin, int8, int8.clone(),
+                                        rows, 0, 2, 1, lens, 1, 1, 1e-5, 2)
+    with pytest.raises(RuntimeError, match=r"k_scale, v_scale must be contiguous \[layers, S, KVH, T\] float32"):
+        torch.ops.aiserve.decode_layers(h, norms, weights, [None] * 4, [0] * 4, cos, sin, int8, int8.clone(),
+                                        rows, 0, 2, 1, lens, 1, 1, 1e-5, 2, scale[..., :2], scale.clone())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
