@@ -119,7 +119,7 @@ class LlamaModel:
         they cannot run (a quantized version's dtype, a model loaded directly on another device),
         the forward keeps torch's: ``native_ops.unsupported`` is the one check."""
         self.matmul_dtype = matmul_dtype or dtype
-        weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights)
+        weights = build_weights(config, tensors, device, dtype, self.matmul_dtype, pack_weights, self.native_ops)
         self.embed, self.lm_head, self.norm, self.layers = weights.embed, weights.lm_head, weights.norm, weights.layers
         self._linears = weights.linears()
         self.packed_weights = all(x.packed is not None or x.packed_wide is not None for x in self._linears)

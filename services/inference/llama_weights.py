@@ -31,7 +31,10 @@ class Linear:
     """``x @ w.T + b`` with ``w`` [out, in] in the model dtype; when the model has a wider matmul
     dtype, the float32 copies: ``w_wide``/``b_wide``, or ``b_wide`` and ``packed_wide``, the copy
     in oneDNN's layout (then ``w_wide`` is None: one copy is enough); and ``packed``, ``w`` in
-    oneDNN's layout, where ``pack_checked`` gives one."""
+    oneDNN's layout, where ``pack_checked`` gives one. ``gemv``: a product of at most
+    ``GEMV_MAX_ROWS`` rows that is not ``wide`` runs on our op on ``w``
+    (``torch.ops.aiserve.gemv``, csrc/gemv.cpp), which streams the weight from memory faster
+    than oneDNN's kernel does at so few rows."""
 
     w: torch.Tensor
     b: torch.Tensor | None = None
@@ -39,9 +42,12 @@ class Linear:
     b_wide: torch.Tensor | None = None
     packed: torch.Tensor | None = None
     packed_wide: torch.Tensor | None = None
+    gemv: bool = False
 
     def __call__(self, x: torch.Tensor, wide: bool) -> torch.Tensor:
         """x [M, in] -> [M, out]; ``wide``: use the float32 copy if there is one."""
+        if self.gemv and not wide and x.shape[0] <= GEMV_MAX_ROWS:
+            return torch.ops.aiserve.gemv(x.contiguous(), self.w, self.b)
         if wide and self.packed_wide is not None:
             return packed_linear(x.to(torch.float32), self.packed_wide, self.b_wide).to(x.dtype)
         if wide and self.w_wide is not None:
@@ -53,6 +59,8 @@ class Linear:
     def plan(self, wide: bool) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """The weight, bias and ``PRODUCT_MODES`` index ``__call__`` runs with for ``wide``, for
         the C++ layer loop (csrc/decode_layers.cpp), which makes the same choice's product."""
+        if self.gemv and not wide:  # the layer loop's narrow steps: fewer rows than WIDE_MIN_ROWS
+            return self.w, self.b, PRODUCT_MODES.index("gemv")
         if wide and self.packed_wide is not None:
             return self.packed_wide, self.b_wide, PRODUCT_MODES.index("wide_packed")
         if wide and self.w_wide is not None:
@@ -62,9 +70,12 @@ class Linear:
         return self.w, self.b, PRODUCT_MODES.index("plain")
 
 
-PRODUCT_MODES = ("plain", "packed", "wide", "wide_packed")
+PRODUCT_MODES = ("plain", "packed", "wide", "wide_packed", "gemv")
 """How a product runs, in csrc/decode_layers.cpp's numbering: F.linear on ``w``, oneDNN on
-``packed``, F.linear on the float32 copy, oneDNN on the packed float32 copy."""
+``packed``, F.linear on the float32 copy, oneDNN on the packed float32 copy, our op on ``w``."""
+
+GEMV_MAX_ROWS = 4
+"""The most rows ``torch.ops.aiserve.gemv`` takes (csrc/ops.h, kGemvMaxRows)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,9 +147,10 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def build_weights(config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                  matmul_dtype: torch.dtype, pack_weights: bool) -> LlamaWeights:
-    """The model's weights from its named tensors (ValueError naming a missing one)."""
-    reader = _WeightReader(tensors, device, dtype, matmul_dtype, pack_weights)
+                  matmul_dtype: torch.dtype, pack_weights: bool, gemv: bool = False) -> LlamaWeights:
+    """The model's weights from its named tensors (ValueError naming a missing one); ``gemv``:
+    products of few rows on our op (``Linear.gemv``; its library loaded), a quantized one's not."""
+    reader = _WeightReader(tensors, device, dtype, matmul_dtype, pack_weights, gemv)
     embed = reader.vector("model.embed_tokens.weight")
     if config.tie_word_embeddings or "lm_head.weight" not in tensors:
         lm_head = reader.tied_head(embed)
@@ -156,9 +168,9 @@ class _WeightReader:
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                 matmul_dtype: torch.dtype, pack_weights: bool) -> None:
+                 matmul_dtype: torch.dtype, pack_weights: bool, gemv: bool = False) -> None:
         self._tensors, self._device, self._dtype, self._matmul_dtype = tensors, device, dtype, matmul_dtype
-        self._can_pack = pack_weights
+        self._can_pack, self._gemv = pack_weights, gemv
 
     def layer(self, i: int) -> Layer:
         """Decoder layer ``i``, its tensors read in the order of its fields."""
@@ -177,7 +189,7 @@ class _WeightReader:
         """The lm_head that shares the embedding (a packed copy is the layout's own buffer)."""
         if self._matmul_dtype != self._dtype:
             return self._wide(embed, None)
-        return Linear(embed, None, None, packed=self._packed(embed, None))
+        return Linear(embed, None, None, packed=self._packed(embed, None), gemv=self._gemv)
 
     def linear(self, names: Sequence[str], bias: bool = True, fused: str | None = None) -> Linear:
         """The product of the named weights (and biases), concatenated along the output axis;
@@ -190,7 +202,7 @@ class _WeightReader:
         if is_quantized(w):
             return Linear(w, b)  # torchao's kernel: no float32 copy, no packing
         if self._matmul_dtype == self._dtype:
-            return Linear(w, b, packed=self._packed(w, b))
+            return Linear(w, b, packed=self._packed(w, b), gemv=self._gemv)
         return self._wide(w, b)
 
     def vector(self, name: str) -> torch.Tensor:
@@ -213,8 +225,8 @@ class _WeightReader:
         """``w``'s product with its copies in the matmul dtype, the weight's packed where it can be."""
         w_wide, b_wide = w.to(self._matmul_dtype), None if b is None else b.to(self._matmul_dtype)
         if (packed := self._packed(w_wide, b_wide)) is not None:
-            return Linear(w, b, None, b_wide, packed_wide=packed)
-        return Linear(w, b, w_wide, b_wide)
+            return Linear(w, b, None, b_wide, packed_wide=packed, gemv=self._gemv)
+        return Linear(w, b, w_wide, b_wide, gemv=self._gemv)
 
     def _packed(self, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
         if not self._can_pack:

@@ -12,6 +12,9 @@ forward uses them instead of torch's.
 - ``torch.ops.aiserve.decode_layers`` (``csrc/decode_layers.cpp``): a decode-only step's whole
   loop over layers in one call, the same ops in the same order without the Python between them
   (``LlamaModel.layers_in_cpp``); the Python loop's bits.
+- ``torch.ops.aiserve.gemv`` (``csrc/gemv.cpp``): products of one to four rows on the weight in
+  its loaded layout, each thread streaming one run of its rows with a prefetch ahead: a step of
+  one sequence reads its weights ~1.4x faster than oneDNN's kernel did (``Linear.gemv``).
 - ``torch.ops.aiserve.argmax_rows`` (``csrc/fused_ops.cpp``): greedy rows' ids (the sampler's
   ``_argmax``), the indices ``torch.max(x, -1)`` gives; 1.34 -> 0.50 ms on [64, 49152] bf16
   logits (2 cores).

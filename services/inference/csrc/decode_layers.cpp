@@ -24,8 +24,9 @@ namespace {
 
 // How a layer's product runs (llama_weights.Linear): F.linear on the weight; oneDNN on the packed
 // weight; F.linear on the float32 copy, the input widened and the result rounded back; oneDNN on
-// the packed float32 copy, the same way.
-enum Mode : int64_t { kPlain = 0, kPacked = 1, kWide = 2, kWidePacked = 3 };
+// the packed float32 copy, the same way; our few-row product on the weight (gemv.cpp), which a
+// narrow step's products run on (more rows than it takes would run F.linear on the weight).
+enum Mode : int64_t { kPlain = 0, kPacked = 1, kWide = 2, kWidePacked = 3, kGemv = 4 };
 
 at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   static const c10::OperatorHandle op =
@@ -39,6 +40,8 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // aiserve/common/onednn.py, packed_linear: a packed product runs on ``padded`` rows (zeros below x).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t mode,
                   int64_t padded) {
+  if (mode == kGemv)
+    return x.size(0) <= aiserve_ops::kGemvMaxRows ? aiserve_ops::gemv(x.contiguous(), w, b) : at::linear(x, w, b);
   if (mode == kWide) return at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
   if (mode == kPlain) return at::linear(x, w, b);
   if (mode == kWidePacked) return linear(x.to(w.scalar_type()), w, b, kPacked, padded).to(x.scalar_type());

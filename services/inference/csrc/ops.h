@@ -17,6 +17,9 @@ namespace aiserve_ops {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lens,
                             double scale, const std::optional<at::Tensor>& k_scale,
                             const std::optional<at::Tensor>& v_scale, bool balanced = true, bool prefetch = true);
+// gemv.cpp
+constexpr int64_t kGemvMaxRows = 4;
+at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b);
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 void rotate_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);

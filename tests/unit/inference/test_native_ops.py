@@ -298,6 +298,70 @@ def test_the_layer_loop_refuses_arguments_that_do_not_fit_the_cache() -> None:
                                         rows, 0, 2, 1, lens, 1, 1, 1e-5, 2, scale[..., :2], scale.clone())
 
 
+@pytest.mark.parametrize(("x_dtype", "w_dtype"), [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                                (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize(("n", "k"), [(1733, 576), (64, 37), (5, 8)])  # rows not in whole blocks; K % 8 left over
+def test_gemv_is_the_product_within_float32_rounding_and_each_rows_own(x_dtype: torch.dtype, w_dtype: torch.dtype,
+                                                                       n: int, k: int) -> None:
+    """Up to four rows, with and without a bias: within float32 rounding of the float64
+    product (then rounded to x's dtype), and each row's result the same alone, beside other
+    rows and on any number of threads (a fixed order of sums over K)."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(w_dtype)
+    b = torch.randn(n, generator=g).to(w_dtype)
+    x = torch.randn(4, k, generator=g).to(x_dtype)
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [torch.ops.aiserve.gemv(x[i : i + 1], w, b) for i in range(4)]
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            for rows in (1, 2, 3, 4):
+                together = torch.ops.aiserve.gemv(x[:rows], w, b)
+                assert together.dtype == x_dtype and together.shape == (rows, n)
+                for i in range(rows):
+                    assert torch.equal(together[i : i + 1], alone[i])
+    finally:
+        torch.set_num_threads(previous)
+    exact = x.double() @ w.double().T
+    for bias in (b, None):
+        got = torch.ops.aiserve.gemv(x, w, bias).double()
+        expected = (exact + (0 if bias is None else bias.double())).to(x_dtype).double()
+        ulp = 1e-2 if x_dtype == torch.bfloat16 else 1e-5  # the output's rounding, and float32 sums of K terms
+        torch.testing.assert_close(got, expected, atol=ulp * k**0.5, rtol=ulp)
+
+
+def test_gemv_refuses_what_it_does_not_take() -> None:
+    w, x = torch.randn(16, 8), torch.randn(2, 8)
+    for bad, match in ((torch.randn(5, 8), "x needs 1..4 rows, got 5"), (torch.randn(0, 8), "x needs 1..4 rows, got 0"),
+                       (torch.randn(2, 9), "the same K"), (x.half(), "bfloat16 or float32")):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.aiserve.gemv(bad, w)
+    with pytest.raises(RuntimeError, match=r"w in x's dtype or bfloat16"):
+        torch.ops.aiserve.gemv(x.bfloat16(), w)
+    with pytest.raises(RuntimeError, match=r"b must be \[N\], N = 16"):
+        torch.ops.aiserve.gemv(x, w, torch.randn(15))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.aiserve.gemv(x, torch.randn(8, 16).t())
+
+
+def test_a_models_products_of_few_rows_run_on_gemv(model_dir: Path) -> None:
+    """With our ops, a product of up to four rows that is not wide runs on gemv (one slot's
+    decode step: every product); with torch's ops, or more rows, on oneDNN or F.linear."""
+    for native, slots, expected in ((True, 1, True), (False, 1, False), (True, 33, False)):
+        model = LlamaModel.load(model_dir, CPU, torch.bfloat16, native_ops=native)
+        assert all(x.gemv == native for x in (model.lm_head, model.layers[0].qkv, model.layers[-1].down))
+        config = model.config
+        shape = (config.num_layers, slots, config.num_kv_heads, 64, config.head_dim)
+        k, v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+        rows = [BatchRow(slot, 3, [100 + slot], True) for slot in range(slots)]
+        model.layers_in_cpp = False  # the Python loop: each product is its own op in the profile
+        with torch.inference_mode(), torch.profiler.profile() as prof:
+            model.forward(build_batch(rows, config, 64, CPU, native_ops=native), k, v)
+        gemvs = sum(e.name == "aiserve::gemv" for e in prof.events())
+        assert gemvs == (4 * config.num_layers + 1 if expected else 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_argmax_rows_gives_torch_max_indices_ties_and_nans_included(dtype: torch.dtype) -> None:
     """The first of equal maxima, the first NaN where there is one, a row of -inf's first id."""
@@ -344,7 +408,8 @@ def test_the_library_name_follows_the_sources_and_torch(monkeypatch: pytest.Monk
     """A changed source or torch gets a new file name: a stale build is never loaded."""
     built = native_ops.library_path()
     assert built.exists() and built.parent.is_relative_to(Path(native_ops.sys.prefix))
-    assert {p.name for p in native_ops.SOURCES} == {"decode_attention.cpp", "decode_layers.cpp", "fused_ops.cpp"}
+    assert {p.name for p in native_ops.SOURCES} == {"decode_attention.cpp", "decode_layers.cpp", "fused_ops.cpp",
+                                                    "gemv.cpp"}
     assert [p.name for p in native_ops.HEADERS] == ["ops.h"]
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert native_ops.library_path() != built
