@@ -31,16 +31,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(int8_t x) { return static_cast<float>(x); }
-inline float widen(c10::BFloat16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void put(float* dst, float x) { *dst = x; }
-inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
+using aiserve_ops::load8, aiserve_ops::put, aiserve_ops::sum8, aiserve_ops::widen;
 
 constexpr int64_t kBlock = 16;  // values of D summed in registers at once (two AVX2 vectors)
 
@@ -86,26 +77,10 @@ std::vector<int64_t> balanced_cuts(const int32_t* lens, const Shape& s, int64_t 
   return cuts;
 }
 
-// Eight stored values as floats: bf16 widened exactly (a shift), int8 converted.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
 // The sums of the lanes of a, b, c and e, in that order.
 inline __m128 sum4(__m256 a, __m256 b, __m256 c, __m256 e) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, e));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-inline float sum8(__m256 a) {
-  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
 }
 
 // A (slot, head)'s K or V rows, to be fetched into the core's cache before they are read. Each

@@ -28,21 +28,7 @@ namespace {
 
 constexpr int64_t kAheadBytes = 4096;  // how far ahead of its reads a thread fetches its weight rows
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float widen(float x) { return x; }
-inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
-inline void put(float* dst, float x) { *dst = x; }
-inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
-
-inline float sum8(__m256 a) {
-  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
-}
+using aiserve_ops::load8, aiserve_ops::put, aiserve_ops::sum8, aiserve_ops::widen;
 
 // Rows [n0, n1) of the weight against the M rows of xf (float32, [M, K]): NB weight rows at a time,
 // each 8 values of K loaded once for the M rows; the K % 8 last values one by one.

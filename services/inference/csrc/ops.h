@@ -1,5 +1,5 @@
 // The ops of this library that other ops here call directly (each is also a torch.ops.aiserve op),
-// and the exponential the attention's softmax vectorises.
+// the loads and sums its kernels share, and the exponential the attention's softmax vectorises.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -23,6 +23,33 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
 // fused_ops.cpp
 at::Tensor rms_norm(at::Tensor x, const std::optional<at::Tensor>& delta, const at::Tensor& weight, double eps);
 void rotate_(at::Tensor x, const at::Tensor& cos, const at::Tensor& signed_sin);
+
+// Stored values as float32 and back, for the kernels that read bf16, float32 or int8 and sum
+// in float32: one value widened (bf16 exactly, a shift), eight values loaded into an AVX2
+// vector, a float rounded into the stored type, and the sum of a vector's eight lanes.
+inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }
+inline float widen(c10::BFloat16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline void put(float* dst, float x) { *dst = x; }
+inline void put(c10::BFloat16* dst, float x) { *dst = c10::BFloat16(x); }
+inline float sum8(__m256 a) {
+  const __m128 t = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehdup_ps(u)));
+}
 
 // exp(x) without a library call (std::exp is one per value): x = n ln2 + r, n the nearest
 // integer, |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial, 2^n put in the exponent bits.
