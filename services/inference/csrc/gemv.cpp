@@ -105,12 +105,12 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* b, at::Tensor& y
 
 namespace aiserve_ops {
 
-// x [M, K] bfloat16 or float32, 1 <= M <= 4, contiguous; w [N, K] contiguous, in x's dtype (or
+// x [M, K] bfloat16 or float32, 0 <= M <= 4, contiguous; w [N, K] contiguous, in x's dtype (or
 // bfloat16 under a float32 x); b [N] float32, x's or w's dtype, or none. Returns [M, N] in x's dtype.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "gemv: x [M, K] and w [N, K] need the same K, got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kGemvMaxRows, "gemv: x needs 1..", kGemvMaxRows, " rows, got ", x.size(0));
+  TORCH_CHECK(x.size(0) <= kGemvMaxRows, "gemv: x takes at most ", kGemvMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && x.is_contiguous() && w.is_contiguous(),
               "gemv: x and w must be contiguous CPU tensors");
   const bool bf16_x = x.scalar_type() == at::kBFloat16, bf16_w = w.scalar_type() == at::kBFloat16;
@@ -125,6 +125,7 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
   }
   const float* bp = b ? bias.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
+  if (x.size(0) == 0) return y;  // a step whose rows want no logits: the lm_head on none
   if (bf16_x)
     run<c10::BFloat16, c10::BFloat16>(x, w, bp, y);
   else if (bf16_w)

@@ -333,8 +333,8 @@ def test_gemv_is_the_product_within_float32_rounding_and_each_rows_own(x_dtype: 
 
 def test_gemv_refuses_what_it_does_not_take() -> None:
     w, x = torch.randn(16, 8), torch.randn(2, 8)
-    for bad, match in ((torch.randn(5, 8), "x needs 1..4 rows, got 5"), (torch.randn(0, 8), "x needs 1..4 rows, got 0"),
-                       (torch.randn(2, 9), "the same K"), (x.half(), "bfloat16 or float32")):
+    for bad, match in ((torch.randn(5, 8), "x takes at most 4 rows, got 5"), (torch.randn(2, 9), "the same K"),
+                       (x.half(), "bfloat16 or float32")):
         with pytest.raises(RuntimeError, match=match):
             torch.ops.aiserve.gemv(bad, w)
     with pytest.raises(RuntimeError, match=r"w in x's dtype or bfloat16"):
@@ -343,6 +343,27 @@ def test_gemv_refuses_what_it_does_not_take() -> None:
         torch.ops.aiserve.gemv(x, w, torch.randn(15))
     with pytest.raises(RuntimeError, match="contiguous"):
         torch.ops.aiserve.gemv(x, torch.randn(8, 16).t())
+    assert torch.ops.aiserve.gemv(x[:0], w).shape == (0, 16)  # the lm_head of a step that wants no logits
+
+
+def test_a_prefill_chunk_without_logits_runs_with_gemv_on(model_dir: Path) -> None:
+    """A long prompt's first chunk wants no logits: its lm_head runs on no rows, which the few-row
+    product takes (it refused them once, failing every prompt split into chunks); the next
+    chunk's one logit row is the same as the whole prompt's in one step."""
+    model = LlamaModel.load(model_dir, CPU, torch.float32, native_ops=True)  # float32: the chunks' sums within 1e-3
+    assert model.lm_head.gemv
+    config = model.config
+    shape = (config.num_layers, 1, config.num_kv_heads, 64, config.head_dim)
+    prompt = [(13 * t) % 5000 + 100 for t in range(40)]
+    logits = []
+    for chunks in (((0, 40, True),), ((0, 24, False), (24, 40, True))):
+        k, v = torch.zeros(shape, dtype=model.dtype), torch.zeros(shape, dtype=model.dtype)
+        with torch.inference_mode():
+            steps = [model.forward(build_batch([BatchRow(0, a, prompt[a:b], wants)], config, 64, CPU, native_ops=True),
+                                   k, v) for a, b, wants in chunks]
+        assert [s.shape[0] for s in steps] == [int(c[2]) for c in chunks]
+        logits.append(steps[-1])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-3, rtol=1e-4)
 
 
 def test_a_models_products_of_few_rows_run_on_gemv(model_dir: Path) -> None:
