@@ -25,7 +25,7 @@ namespace {
 // How a layer's product runs (llama_weights.Linear): F.linear on the weight; oneDNN on the packed
 // weight; F.linear on the float32 copy, the input widened and the result rounded back; oneDNN on
 // the packed float32 copy, the same way; our few-row product on the weight (gemv.cpp), which a
-// narrow step's products run on (more rows than it takes would run F.linear on the weight).
+// narrow step's products run on (fewer rows than llama.py's WIDE_MIN_ROWS, which it takes).
 enum Mode : int64_t { kPlain = 0, kPacked = 1, kWide = 2, kWidePacked = 3, kGemv = 4 };
 
 at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
@@ -40,8 +40,7 @@ at::Tensor packed(const at::Tensor& x, const at::Tensor& w, const std::optional<
 // aiserve/common/onednn.py, packed_linear: a packed product runs on ``padded`` rows (zeros below x).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t mode,
                   int64_t padded) {
-  if (mode == kGemv)
-    return x.size(0) <= aiserve_ops::kGemvMaxRows ? aiserve_ops::gemv(x.contiguous(), w, b) : at::linear(x, w, b);
+  if (mode == kGemv) return aiserve_ops::gemv(x.contiguous(), w, b);
   if (mode == kWide) return at::linear(x.to(w.scalar_type()), w, b).to(x.scalar_type());
   if (mode == kPlain) return at::linear(x, w, b);
   if (mode == kWidePacked) return linear(x.to(w.scalar_type()), w, b, kPacked, padded).to(x.scalar_type());
@@ -50,55 +49,48 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return packed(at::cat({x, x.new_zeros({padded - rows, x.size(1)})}), w, b).narrow(0, 0, rows);
 }
 
-// cache.view(-1, D)[rows] = x.reshape(-1, D): x [N, KVH, D] (unit stride in D), rows [N*KVH].
-void store(const at::Tensor& cache, const at::Tensor& x, const int64_t* rows) {
-  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), limit = cache.numel() / d;
-  const int64_t bytes = d * static_cast<int64_t>(x.element_size());
-  auto* dst = static_cast<char*>(cache.data_ptr());
-  const auto* src = static_cast<const char*>(x.data_ptr());
-  const int64_t s_tok = x.stride(0) * x.element_size(), s_head = x.stride(1) * x.element_size();
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      const int64_t row = rows[t * heads + h];
-      TORCH_CHECK(row >= 0 && row < limit, "decode_layers: cache row ", row, " outside 0..", limit - 1);
-      std::memcpy(dst + row * bytes, src + t * s_tok + h * s_head, bytes);
-    }
-}
-
-// The same rows into an int8 cache and its scales [S*KVH*T], as kv_cache.py's quantize_int8
-// writes them: per row, scale = max|x| / 127 (1 for a row of zeros), values x / scale rounded to
-// nearest even and clamped to +-127, all in float32 (torch's bits: its division is IEEE's too).
-template <typename T>
-void store_int8(const at::Tensor& cache, const at::Tensor& scales, const at::Tensor& x, const int64_t* rows) {
-  const int64_t n = x.size(0), heads = x.size(1), d = x.size(2), limit = cache.numel() / d;
-  auto* dst = cache.data_ptr<int8_t>();
-  auto* scale = scales.data_ptr<float>();
+// Each of x's rows (x [N, KVH, D], unit stride in D) with its flat cache row from rows [N*KVH]:
+// write(row, its D values), after checking the row is inside ``cache`` ([..., D]).
+template <typename T, typename Write>
+void each_row(const at::Tensor& cache, const at::Tensor& x, const int64_t* rows, Write write) {
+  const int64_t n = x.size(0), heads = x.size(1), limit = cache.numel() / x.size(2);
   const T* src = x.data_ptr<T>();
-  std::vector<float> row_f(d);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t row = rows[t * heads + h];
       TORCH_CHECK(row >= 0 && row < limit, "decode_layers: cache row ", row, " outside 0..", limit - 1);
-      const T* xr = src + t * x.stride(0) + h * x.stride(1);
-      float amax = 0.f;
-      for (int64_t c = 0; c < d; ++c) {
-        row_f[c] = static_cast<float>(xr[c]);
-        amax = std::max(amax, std::fabs(row_f[c]));
-      }
-      const float s = amax > 0.f ? amax / 127.f : 1.f;
-      int8_t* out = dst + row * d;
-      for (int64_t c = 0; c < d; ++c)
-        out[c] = static_cast<int8_t>(std::clamp(std::nearbyint(row_f[c] / s), -127.f, 127.f));
-      scale[row] = s;
+      write(row, src + t * x.stride(0) + h * x.stride(1));
     }
 }
 
-// K or V of the step into one layer's cache: as it is, or quantized with its scales.
+// One layer's K or V rows of the step into its cache (cache.view(-1, D)[rows] = x.reshape(-1, D)),
+// or, for an int8 cache with its scales [S*KVH*T], quantized as kv_cache.py's quantize_int8 does:
+// per row, scale = max|x| / 127 (1 for a row of zeros), values x / scale rounded to nearest even
+// and clamped to +-127, all in float32 (torch's bits: its division is IEEE's too).
+template <typename T>
+void store(const at::Tensor& cache, const std::optional<at::Tensor>& scales, const at::Tensor& x, const int64_t* rows) {
+  const int64_t d = x.size(2);
+  if (!scales) {
+    auto* dst = static_cast<T*>(cache.data_ptr());
+    each_row<T>(cache, x, rows, [&](int64_t row, const T* xr) { std::memcpy(dst + row * d, xr, d * sizeof(T)); });
+    return;
+  }
+  auto* dst = cache.data_ptr<int8_t>();
+  auto* scale = scales->data_ptr<float>();
+  each_row<T>(cache, x, rows, [&](int64_t row, const T* xr) {
+    float amax = 0.f;
+    for (int64_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(aiserve_ops::widen(xr[c])));
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    for (int64_t c = 0; c < d; ++c)
+      dst[row * d + c] = static_cast<int8_t>(std::clamp(std::nearbyint(aiserve_ops::widen(xr[c]) / s), -127.f, 127.f));
+    scale[row] = s;
+  });
+}
+
 void store_any(const at::Tensor& cache, const std::optional<at::Tensor>& scales, const at::Tensor& x,
                const int64_t* rows) {
-  if (!scales) return store(cache, x, rows);
-  if (x.scalar_type() == at::kBFloat16) return store_int8<c10::BFloat16>(cache, *scales, x, rows);
-  store_int8<float>(cache, *scales, x, rows);
+  if (x.scalar_type() == at::kBFloat16) return store<c10::BFloat16>(cache, scales, x, rows);
+  store<float>(cache, scales, x, rows);
 }
 
 // h [N, hidden]: the embedded tokens of N decode rows, one per slot of [lo, hi) in slot order;
