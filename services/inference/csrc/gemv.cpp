@@ -30,10 +30,18 @@ constexpr int64_t kAheadBytes = 4096;  // how far ahead of its reads a thread fe
 
 using aiserve_ops::load8, aiserve_ops::put, aiserve_ops::sum8, aiserve_ops::widen;
 
+// The bias as it is stored (float32 or bf16, read in place: no converted copy per call), or none.
+struct Bias {
+  const float* f = nullptr;
+  const c10::BFloat16* h = nullptr;
+  explicit operator bool() const { return f || h; }
+  float operator[](int64_t i) const { return f ? f[i] : widen(h[i]); }
+};
+
 // Rows [n0, n1) of the weight against the M rows of xf (float32, [M, K]): NB weight rows at a time,
 // each 8 values of K loaded once for the M rows; the K % 8 last values one by one.
 template <int M, typename W, typename Y>
-void rows(const float* xf, const W* w, const float* b, Y* y, int64_t n0, int64_t n1, int64_t k, int64_t n) {
+void rows(const float* xf, const W* w, Bias b, Y* y, int64_t n0, int64_t n1, int64_t k, int64_t n) {
   constexpr int NB = M <= 2 ? 4 : 2;  // NB * M accumulators of 8 lanes
   const int64_t vec = k - k % 8;
   const char* end = reinterpret_cast<const char*>(w + n1 * k);
@@ -77,7 +85,7 @@ void rows(const float* xf, const W* w, const float* b, Y* y, int64_t n0, int64_t
 }
 
 template <typename W, typename Y>
-void run(const at::Tensor& x, const at::Tensor& w, const float* b, at::Tensor& y) {
+void run(const at::Tensor& x, const at::Tensor& w, Bias b, at::Tensor& y) {
   const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
   std::vector<float> xf(m * k);  // x widened once
   const Y* xp = x.data_ptr<Y>();
@@ -106,7 +114,7 @@ void run(const at::Tensor& x, const at::Tensor& w, const float* b, at::Tensor& y
 namespace aiserve_ops {
 
 // x [M, K] bfloat16 or float32, 0 <= M <= 4, contiguous; w [N, K] contiguous, in x's dtype (or
-// bfloat16 under a float32 x); b [N] float32, x's or w's dtype, or none. Returns [M, N] in x's dtype.
+// bfloat16 under a float32 x); b [N] float32 or bfloat16, or none. Returns [M, N] in x's dtype.
 at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "gemv: x [M, K] and w [N, K] need the same K, got ", x.sizes(), " and ", w.sizes());
@@ -119,11 +127,17 @@ at::Tensor gemv(const at::Tensor& x, const at::Tensor& w, const std::optional<at
               "gemv: x bfloat16 or float32, w in x's dtype or bfloat16, got ", x.scalar_type(), " and ",
               w.scalar_type());
   at::Tensor bias;
+  Bias bp;
   if (b) {
     TORCH_CHECK(b->dim() == 1 && b->size(0) == w.size(0), "gemv: b must be [N], N = ", w.size(0));
-    bias = b->to(at::kFloat).contiguous();
+    TORCH_CHECK(b->scalar_type() == at::kFloat || b->scalar_type() == at::kBFloat16,
+                "gemv: b must be float32 or bfloat16, got ", b->scalar_type());
+    bias = b->contiguous();
+    if (bias.scalar_type() == at::kFloat)
+      bp.f = bias.data_ptr<float>();
+    else
+      bp.h = bias.data_ptr<c10::BFloat16>();
   }
-  const float* bp = b ? bias.data_ptr<float>() : nullptr;
   at::Tensor y = at::empty({x.size(0), w.size(0)}, x.options());
   if (x.size(0) == 0) return y;  // a step whose rows want no logits: the lm_head on none
   if (bf16_x)
