@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from aiserve.common.cpu import read_cpu_flags
+from aiserve.common.huge_pages import HUGE_PAGE
 from services.inference.llama import LlamaModel
 from services.inference.llama_weights import PRODUCT_MODES
 from services.inference.model import TORCH_DTYPES
@@ -298,3 +299,17 @@ def test_packed_float32_products_give_float32_results(model_dir: Path, dtype: to
     assert (got - truth).abs().mean() <= 1.1 * (expected - truth).abs().mean()
 
 
+
+
+def test_cpu_weights_are_read_into_chunks_on_huge_pages(model_dir: Path) -> None:
+    """Every weight read from the files is a copy in one of the arena's chunks (or, larger than
+    half a chunk, a tensor of its own), each starting on a 2 MiB page (aiserve/common/huge_pages.py)."""
+    model = LlamaModel.load(model_dir, CPU, torch.bfloat16, torch.bfloat16)
+    weights = [model.embed, model.norm, *(t for layer in model.layers for t in (
+        layer.ln_attn, layer.ln_mlp, layer.qkv.w, layer.o.w, layer.gate_up.w, layer.down.w))]
+    chunks: dict[int, int] = {}  # storage -> where its first weight starts
+    for t in weights:
+        storage = t.untyped_storage().data_ptr()
+        chunks[storage] = min(chunks.get(storage, t.data_ptr()), t.data_ptr())
+    assert all(first % HUGE_PAGE == 0 for first in chunks.values())
+    assert len(chunks) < len(weights) / 10  # packed many to a chunk, not one allocation each
