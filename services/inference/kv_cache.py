@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 
-from aiserve.common.huge_pages import ones_on_huge_pages, zeros_on_huge_pages
 from services.inference.engine_config import KVCacheConfig
 from services.inference.prefix_index import BlockCopy
 from services.inference.slot_table import SlotMove
@@ -111,19 +110,17 @@ class KVCache:
                  layout.head_dim)
         block_shape = (layout.num_layers, plan.num_blocks, layout.num_kv_heads, plan.block_size,
                        layout.head_dim)
-        # zeros, not empty: commit the memory now (no surprise later) and keep every row finite;
-        # on the CPU on 2 MiB pages where the kernel has them (aiserve/common/huge_pages.py): the
-        # attention reads a run of keys per slot and head from all over the cache
-        self.k = zeros_on_huge_pages(shape, layout.dtype, device)  # [L, S, KVH, T, D]
-        self.v = zeros_on_huge_pages(shape, layout.dtype, device)  # [L, S, KVH, T, D]
-        self.pk = zeros_on_huge_pages(block_shape, layout.dtype, device)  # [L, N, KVH, B, D]
-        self.pv = zeros_on_huge_pages(block_shape, layout.dtype, device)  # [L, N, KVH, B, D]
+        # zeros, not empty: commit the memory now (no surprise later) and keep every row finite
+        self.k = torch.zeros(shape, dtype=layout.dtype, device=device)  # [L, S, KVH, T, D]
+        self.v = torch.zeros(shape, dtype=layout.dtype, device=device)  # [L, S, KVH, T, D]
+        self.pk = torch.zeros(block_shape, dtype=layout.dtype, device=device)  # [L, N, KVH, B, D]
+        self.pv = torch.zeros(block_shape, dtype=layout.dtype, device=device)  # [L, N, KVH, B, D]
         # int8 storage: one scale per token per head beside the values, [L, S, KVH, T] and
         # [L, N, KVH, B] (ones: a zero row stays 0); None otherwise
         scaled = layout.dtype == torch.int8
 
         def scales(dims: tuple[int, ...]) -> torch.Tensor | None:
-            return ones_on_huge_pages(dims, INT8_SCALE_DTYPE, device) if scaled else None
+            return torch.ones(dims, dtype=INT8_SCALE_DTYPE, device=device) if scaled else None
 
         self.k_scale, self.v_scale = scales(shape[:-1]), scales(shape[:-1])
         self.pk_scale, self.pv_scale = scales(block_shape[:-1]), scales(block_shape[:-1])
