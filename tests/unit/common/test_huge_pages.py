@@ -12,8 +12,6 @@ from aiserve.common.huge_pages import (
     HUGE_PAGE,
     HugePageArena,
     empty_on_huge_pages,
-    ones_on_huge_pages,
-    zeros_on_huge_pages,
 )
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -40,13 +38,13 @@ def huge_kib_at(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-def test_a_large_tensor_starts_on_a_huge_page_and_holds_what_torch_zeros_holds() -> None:
+def test_a_large_tensor_starts_on_a_huge_page_and_holds_what_it_is_filled_with() -> None:
     shape = (3, 5, 2, 64, 1000)  # 3.8 MB of bf16
-    t = zeros_on_huge_pages(shape, torch.bfloat16)
+    t = empty_on_huge_pages(shape, torch.bfloat16).zero_()
     assert t.shape == shape and t.dtype == torch.bfloat16 and t.is_contiguous()
     assert t.data_ptr() % HUGE_PAGE == 0
     assert torch.equal(t, torch.zeros(shape, dtype=torch.bfloat16))
-    ones = ones_on_huge_pages((4, HUGE_PAGE // 16), torch.float32)
+    ones = empty_on_huge_pages((4, HUGE_PAGE // 16), torch.float32).fill_(1)
     assert ones.data_ptr() % HUGE_PAGE == 0 and bool((ones == 1).all())
 
 
@@ -59,7 +57,7 @@ def test_a_small_tensor_or_another_device_is_an_ordinary_one() -> None:
 
 @pytest.mark.skipif(not thp_offered(), reason="this kernel offers no transparent huge pages")
 def test_the_kernel_backs_an_advised_tensor_with_huge_pages_once_it_is_filled() -> None:
-    t = zeros_on_huge_pages((4 * HUGE_PAGE,), torch.uint8)
+    t = empty_on_huge_pages((4 * HUGE_PAGE,), torch.uint8).zero_()
     assert huge_kib_at(t.data_ptr()) >= 4 * 2048  # four 2 MiB pages back it
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aiserve.common.huge_pages import HUGE_PAGE
 from services.inference.engine_config import KVCacheConfig
 from services.inference.kv_cache import KVCache, KVLayout, KVPlan
 from services.inference.prefix_index import BlockCopy
@@ -78,11 +77,3 @@ def test_prefix_blocks_round_trip_through_the_store() -> None:
     assert torch.equal(cache.k[:, 1, :, :8], cache.k[:, 0, :, :8])
     assert torch.equal(cache.v[:, 1, :, :8], cache.v[:, 0, :, :8])
     assert not cache.k[:, 1, :, 8:].any()
-
-
-def test_a_large_cache_starts_on_huge_pages_zeroed_and_a_small_one_is_ordinary() -> None:
-    big = KVCache(LAYOUT, KVPlan(num_slots=64, slot_len=2048, num_blocks=2048, block_size=16), CPU)  # 6 + 3 MB
-    for t in (big.k, big.v, big.pk, big.pv):
-        assert t.data_ptr() % HUGE_PAGE == 0 and t.is_contiguous() and not t.any()
-    small = KVCache(LAYOUT, KVPlan(num_slots=1, slot_len=8, num_blocks=0, block_size=4), CPU)
-    assert small.k.untyped_storage().nbytes() == small.k.numel() * small.k.element_size()
