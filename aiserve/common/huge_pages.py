@@ -15,56 +15,40 @@ ordinary ones: the advice changes where the pages come from, never what the tens
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
+import contextlib
 import math
-import sys
-from collections.abc import Callable, Sequence
-from functools import cache
+import mmap
+from collections.abc import Sequence
 
 import torch
 
 HUGE_PAGE = 1 << 21
 """The x86-64 transparent huge page: 2 MiB."""
-MADV_HUGEPAGE = 14
 ALIGN = 64
 """Where ``HugePageArena`` starts each tensor: a cache line (what torch's own allocator gives)."""
-
-
-@cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's madvise, or None where there is none to call (not Linux)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    fn = libc.madvise
-    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-def advise_huge(address: int, nbytes: int) -> bool:
-    """Ask for 2 MiB pages over ``[address, address + nbytes)`` (``address`` 4 KiB-aligned);
-    whether the kernel took the advice (False where it has no THP, or refuses)."""
-    fn = _madvise()
-    return fn is not None and nbytes > 0 and fn(address, nbytes, MADV_HUGEPAGE) == 0
+_ADVICE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 
 
 def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu",
                         ) -> torch.Tensor:
-    """``torch.empty(shape)`` whose storage starts on a 2 MiB boundary and is advised to 2 MiB
-    pages (on the CPU, at least a huge page of bytes); otherwise plain ``torch.empty``. Fill it
-    before use: its pages are backed as they are first touched."""
+    """``torch.empty(shape)`` whose storage starts on a 2 MiB boundary of a mapping of its own,
+    advised to 2 MiB pages (on the CPU, at least a huge page of bytes, on Linux); otherwise
+    plain ``torch.empty``. Fill it before use: its pages are backed as they are first touched.
+
+    The mapping is a fresh private anonymous one (``mmap``), not torch's allocator: memory that
+    allocator hands out again was touched before, on 4 KiB pages, and advice does not change
+    pages that exist already. The tensor keeps the mapping alive."""
     device = torch.device(device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if device.type != "cpu" or nbytes < HUGE_PAGE or _madvise() is None:
+    if device.type != "cpu" or nbytes < HUGE_PAGE or _ADVICE is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
-    # The slack of one huge page is never touched, so never resident.
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    # One huge page of slack to start on a boundary; it is never touched, so never resident.
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=_PRIVATE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` as long as it lives
     offset = -raw.data_ptr() % HUGE_PAGE
-    advise_huge(raw.data_ptr() + offset, nbytes)
+    with contextlib.suppress(OSError):  # a kernel without THP: ordinary pages
+        region.madvise(_ADVICE, offset, nbytes)
     return raw[offset:offset + nbytes].view(dtype).view(tuple(shape))
 
 
