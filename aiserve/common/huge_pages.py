@@ -40,7 +40,7 @@ def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, device: torch.
     allocator hands out again was touched before, on 4 KiB pages, and advice does not change
     pages that exist already. The tensor keeps the mapping alive."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type != "cpu" or nbytes < HUGE_PAGE or _ADVICE is None:
         return torch.empty(tuple(shape), dtype=dtype, device=device)
     # One huge page of slack to start on a boundary; it is never touched, so never resident.
@@ -55,8 +55,8 @@ def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype, device: torch.
 class HugePageArena:
     """Many CPU tensors packed one after another into chunks on 2 MiB pages: the model's
     weights, each a few hundred KiB to a few MiB, too small to start on a huge page of their own.
-    A tensor larger than a chunk gets its own (``empty_on_huge_pages``). What a chunk has left
-    at its end is never touched, so never resident."""
+    A tensor larger than half a chunk gets a mapping of its own (``empty_on_huge_pages``). What a
+    chunk has left at its end is never touched, so never resident."""
 
     def __init__(self, chunk_bytes: int = 32 * HUGE_PAGE) -> None:
         self.chunk_bytes = chunk_bytes
@@ -65,7 +65,7 @@ class HugePageArena:
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised CPU tensor of ``shape`` in the arena."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         if nbytes > self.chunk_bytes // 2:
             return empty_on_huge_pages(shape, dtype)
         start = -(-self._used // ALIGN) * ALIGN

@@ -299,8 +299,6 @@ def test_packed_float32_products_give_float32_results(model_dir: Path, dtype: to
     assert (got - truth).abs().mean() <= 1.1 * (expected - truth).abs().mean()
 
 
-
-
 def test_cpu_weights_are_read_into_chunks_on_huge_pages(model_dir: Path) -> None:
     """Every weight read from the files is a copy in one of the arena's chunks (or, larger than
     half a chunk, a tensor of its own), each starting on a 2 MiB page (aiserve/common/huge_pages.py)."""
