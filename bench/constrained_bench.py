@@ -17,7 +17,7 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -72,25 +72,45 @@ async def _batch(engine: BatchEngine, kind: str, prompts: Sequence[tuple[int, ..
             "mean_tokens": tokens / n, "steps": steps, "ms_per_step": seconds * 1000 / max(steps, 1)}
 
 
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
-    config = config_with(InferenceConfig, max_num_seqs=args.concurrency, max_seq_len=512, max_queue=4096)
-    engine = run_in_fresh_thread(lambda: build_engine(config, folder))
-    prompts = [_prompt(folder, t) for t in TOPICS]
-    engine.start()
-    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in WORKLOADS}
-    try:
-        for kind in WORKLOADS:  # warm up: kernels, and the grammar compiled once (then cached)
-            await _batch(engine, kind, prompts, 4, 8)
-        engine.runner.masks.per_row_s.clear()
-        for turn in range(args.rounds):
-            order = WORKLOADS if turn % 2 == 0 else tuple(reversed(WORKLOADS))
-            for kind in order:
-                print(f"round {turn + 1}: {kind} ...", flush=True)
-                runs[kind].append(await _batch(engine, kind, prompts, args.concurrency, args.max_tokens))
-        per_row_ms = [s * 1000 for s in engine.runner.masks.per_row_s]
-    finally:
-        await engine.stop()
+Side = tuple[BatchEngine, str]
+"""One side of the rounds: an engine and the workload it runs (one of ``WORKLOADS``)."""
+
+
+def workload_engine(folder: Path, concurrency: int, kv_dtype: str = "auto") -> BatchEngine:
+    """The in-process engine every workload here runs on: the service's settings but
+    ``concurrency`` slots of 512 tokens, a queue that takes every request at once, and the KV
+    cache stored as ``kv_dtype`` (bench/kv_bench.py's other side)."""
+    config = config_with(InferenceConfig, max_num_seqs=concurrency, max_seq_len=512, max_queue=4096,
+                         kv_dtype=kv_dtype)
+    return run_in_fresh_thread(lambda: build_engine(config, folder))
+
+
+def prompts_of(folder: Path) -> list[tuple[int, ...]]:
+    return [_prompt(folder, t) for t in TOPICS]
+
+
+async def warm(sides: Sequence[Side], prompts: Sequence[tuple[int, ...]]) -> None:
+    """Each side's workload once, small: its kernels built, its grammar compiled (then cached)."""
+    for engine, kind in sides:
+        await _batch(engine, kind, prompts, 4, 8)
+
+
+async def run_rounds(sides: Mapping[str, Side], prompts: Sequence[tuple[int, ...]], args: argparse.Namespace
+                     ) -> dict[str, list[dict[str, Any]]]:
+    """``args.rounds`` turns of every side, their order reversed every other turn (so a slow
+    minute of the VM hits all of them, and none always runs first): the runs of each side."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
+    for turn in range(args.rounds):
+        for name in sides if turn % 2 == 0 else reversed(list(sides)):
+            engine, kind = sides[name]
+            print(f"round {turn + 1}: {name} ...", flush=True)
+            runs[name].append(await _batch(engine, kind, prompts, args.concurrency, args.max_tokens))
+    return runs
+
+
+def report_of(engine: BatchEngine, runs: Mapping[str, Sequence[dict[str, Any]]], per_row_ms: Sequence[float],
+              args: argparse.Namespace) -> dict[str, Any]:
+    """constrained.json: each workload's median run, the two ratios to free text, the mask's time."""
     report: dict[str, Any] = {"machine": machine(), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
                               "dtype": engine.model.dtype.__repr__().removeprefix("torch."), "schema": LIST_SCHEMA}
     for kind in WORKLOADS:
@@ -101,6 +121,30 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     report["mask_ms_per_row"] = {**percentiles(per_row_ms), "mean_ms": statistics.fmean(per_row_ms or [0.0]),
                                  "samples": len(per_row_ms)}
     return report
+
+
+async def run_with(args: argparse.Namespace, riders: Mapping[str, Side] | None = None
+                   ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """The three workloads on one engine in rounds, with ``riders`` (other engines' sides, which
+    their owner starts and stops) in the same rounds: constrained.json's report, and every
+    side's runs by name (the workloads' and the riders')."""
+    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    engine = workload_engine(folder, args.concurrency)
+    prompts = prompts_of(folder)
+    sides: dict[str, Side] = {kind: (engine, kind) for kind in WORKLOADS} | dict(riders or {})
+    engine.start()
+    try:
+        await warm(list(sides.values()), prompts)
+        engine.runner.masks.per_row_s.clear()
+        runs = await run_rounds(sides, prompts, args)
+        per_row_ms = [s * 1000 for s in engine.runner.masks.per_row_s]
+    finally:
+        await engine.stop()
+    return report_of(engine, runs, per_row_ms, args), runs
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    return (await run_with(args))[0]
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
@@ -127,19 +171,27 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.constrained_bench", description=__doc__.split("\n")[0])
+def options(argv: Sequence[str] | None, prog: str = "python -m bench.constrained_bench",
+           description: str = __doc__.split("\n")[0]) -> argparse.Namespace:
+    """The options of this bench (and of bench/constrained_kv.py, which shares its rounds)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--rounds", type=int, default=3, help="turns of each workload; medians")
     parser.add_argument("--concurrency", type=int, default=32, help="requests per batch")
     parser.add_argument("--max-tokens", type=int, default=96, help="max_new_tokens of each request")
-    args = parser.parse_args(argv)
-    report = run_and_write("constrained", bench, args, plot)
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    show(run_and_write("constrained", bench, options(argv), plot))
+    return 0
+
+
+def show(report: dict[str, Any]) -> None:
     print(json.dumps({k: round(report[k]["tokens_per_s"], 1) for k in WORKLOADS}
                      | {"json_schema_over_free": round(report["json_schema_over_free"], 3),
                         "logprobs_over_free": round(report["logprobs_over_free"], 3),
                         "mask_ms_per_row": {k: round(v, 4) for k, v in report["mask_ms_per_row"].items()}},
                      indent=1))
-    return 0
 
 
 if __name__ == "__main__":

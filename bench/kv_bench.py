@@ -1,32 +1,27 @@
 """The int8 KV cache against the activations' dtype: the sequences a fixed byte budget holds, the
-engine's throughput on the same batch (in turns), and the quality change by ``aiserve eval
---kv-dtype int8`` (perplexity, KL, top-1 agreement against the same version). Writes
+engine's throughput on the same batch (in turns: the free-text batch of
+bench/constrained_bench.py, 32 requests of 96 tokens), and the quality change by ``aiserve
+eval --kv-dtype int8`` (perplexity, KL, top-1 agreement against the same version). Writes
 ``bench/results/kv_cache.json`` and ``kv_cache.png`` (docs/quantization.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from aiserve.common.config import config_with
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
+from bench.constrained_bench import options, prompts_of, run_rounds, warm, workload_engine
 from bench.measure import machine, median_run, run_and_write
 from services.inference.batch_engine import BatchEngine
-from services.inference.config import InferenceConfig
-from services.inference.engine_build import build_engine
 from services.inference.engine_config import KVCacheConfig
 from services.inference.kv_cache import KVLayout, KVPlan
-from services.inference.request import GenerateRequest
-from services.inference.torch_thread import run_in_fresh_thread
 
 KV_DTYPES = ("auto", "int8")
 BUDGET_BYTES = 1 << 30
@@ -44,47 +39,40 @@ def capacity(engine: BatchEngine, kv_dtype: str) -> dict[str, Any]:
             "sequences_in_1GiB_at_2048": plan.num_slots}
 
 
-async def _batch(engine: BatchEngine, n: int, max_tokens: int) -> dict[str, Any]:
-    async def one(i: int) -> int:
-        request = GenerateRequest(request_id=f"k{i}", prompt_token_ids=tuple(range(10 + i, 60 + i)),
-                                  max_new_tokens=max_tokens, ignore_eos=True)
-        return sum([len(e.token_ids) async for e in engine.generate(request)])
-
-    started = time.perf_counter()
-    tokens = sum(await asyncio.gather(*(one(i) for i in range(n))))
-    seconds = time.perf_counter() - started
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-
-
-async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    store = ModelStore(model_store_path().resolve())
-    folder, _ = store.load_path(ModelRef.parse(DEFAULT_MODEL_REF))
-    engines = {kv: run_in_fresh_thread(lambda kv=kv: build_engine(config_with(  # type: ignore[misc]
-        InferenceConfig, max_num_seqs=args.concurrency, max_seq_len=512, kv_dtype=kv), folder)) for kv in KV_DTYPES}
+def report_of(engine: BatchEngine, runs: Mapping[str, Sequence[dict[str, Any]]], args: argparse.Namespace
+              ) -> dict[str, Any]:
+    """kv_cache.json: each KV dtype's capacity (of ``engine``'s model) and median run (``runs``
+    by ``KV_DTYPES``), the two ratios, and the quality change of an int8 cache."""
     report: dict[str, Any] = {"machine": machine(), "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+                              "workload": "free text, bench/constrained_bench.py's prompts (ignore EOS)",
                               "budget_bytes": BUDGET_BYTES}
-    runs: dict[str, list[dict[str, Any]]] = {kv: [] for kv in KV_DTYPES}
-    for kv, engine in engines.items():
-        report[kv] = capacity(engine, kv)
-        engine.start()
-    try:
-        for engine in engines.values():
-            await _batch(engine, 4, 8)  # warm-up
-        for turn in range(args.rounds):
-            for kv in (KV_DTYPES if turn % 2 == 0 else tuple(reversed(KV_DTYPES))):
-                print(f"round {turn + 1}: kv {kv} ...", flush=True)
-                runs[kv].append(await _batch(engines[kv], args.concurrency, args.max_tokens))
-    finally:
-        for engine in engines.values():
-            await engine.stop()
     for kv in KV_DTYPES:
-        report[kv]["throughput"] = median_run(runs[kv])
+        report[kv] = {**capacity(engine, kv), "throughput": median_run(runs[kv])}
     report["int8_capacity_ratio"] = report["int8"]["sequences_in_1GiB_at_2048"] / report["auto"][
         "sequences_in_1GiB_at_2048"]
     report["int8_speed_ratio"] = report["int8"]["throughput"]["tokens_per_s"] / report["auto"]["throughput"][
         "tokens_per_s"]
-    report["quality"] = _quality(store)
+    report["quality"] = _quality(ModelStore(model_store_path().resolve()))
     return report
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Alone: the two engines' free-text batches in rounds (``make bench`` runs the int8 side
+    in the structured-output bench's rounds instead, whose free-text runs are the other side:
+    bench/constrained_kv.py)."""
+    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    engines = {kv: workload_engine(folder, args.concurrency, kv) for kv in KV_DTYPES}
+    prompts = prompts_of(folder)
+    sides = {kv: (engine, "free") for kv, engine in engines.items()}
+    for engine in engines.values():
+        engine.start()
+    try:
+        await warm(list(sides.values()), prompts)
+        runs = await run_rounds(sides, prompts, args)
+    finally:
+        for engine in engines.values():
+            await engine.stop()
+    return report_of(engines["auto"], runs, args)
 
 
 def _quality(store: ModelStore) -> dict[str, Any]:
@@ -117,16 +105,16 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.kv_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    report = run_and_write("kv_cache", bench, parser.parse_args(argv), plot)
+    args = options(argv, "python -m bench.kv_bench", __doc__.split("\n")[0])
+    show(run_and_write("kv_cache", bench, args, plot))
+    return 0
+
+
+def show(report: dict[str, Any]) -> None:
     print(json.dumps({"capacity_ratio": round(report["int8_capacity_ratio"], 3),
                       "speed_ratio": round(report["int8_speed_ratio"], 3),
                       "tokens_per_s": {kv: round(report[kv]["throughput"]["tokens_per_s"], 1) for kv in KV_DTYPES},
                       "quality": report["quality"]}, indent=1))
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 (bench/fleet_bench.py: one vs two inference replicas, SIGKILL of a replica under load) and the
 HTTP door against gRPC (bench/http_bench.py) riding on its rounds (bench/shared_rounds.py), then
 the cold start (bench/cold_start.py), then constrained decoding and log-probabilities against
-free text (bench/constrained_bench.py), then weight quantization (bench/quant_bench.py), the
-int8 KV cache (bench/kv_bench.py) and the semantic cache (bench/cache_bench.py). Ends with
+free text (bench/constrained_bench.py) with the int8 KV cache (bench/kv_bench.py) riding on its
+rounds (bench/constrained_kv.py), then weight quantization (bench/quant_bench.py) and the
+semantic cache (bench/cache_bench.py). Ends with
 bench/results/report.md (bench/report.py): whatever JSON the benchmarks left, the machine named.
 
 The bench times itself: bench/results/bench_duration.json has each benchmark's seconds and the
@@ -17,8 +18,7 @@ from typing import Any
 from bench import (
     cache_bench,
     cold_start,
-    constrained_bench,
-    kv_bench,
+    constrained_kv,
     quant_bench,
     report,
     shared_rounds,
@@ -31,9 +31,8 @@ BUDGET_S = 15 * 60
 PARTS: Sequence[tuple[str, Callable[[], int | None]]] = (
     ("engine_fleet_http", lambda: shared_rounds.main([])),
     ("cold_start", lambda: cold_start.main([])),
-    ("constrained", lambda: constrained_bench.main([])),
+    ("constrained_and_kv_cache", lambda: constrained_kv.main([])),
     ("quant", lambda: quant_bench.main([])),
-    ("kv_cache", lambda: kv_bench.main([])),
     ("cache", lambda: cache_bench.main([])),
 )
 

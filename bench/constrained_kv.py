@@ -1,0 +1,53 @@
+"""``make bench``'s structured-output and KV cache benchmarks in one pass, sharing their rounds.
+
+Both measured the same thing as their baseline: free-text batches on the in-process engine with
+the service's settings (bench/constrained_bench.py's ``free``, and the KV cache bench's ``auto``
+side, which ran a batch of its own every round). Here the int8-KV engine's free-text batch rides
+in the structured-output bench's rounds (free, log-probabilities, JSON Schema, then free on an
+int8 KV cache; the order reversed every other round), and the KV cache bench's ``auto`` side is
+the ``free`` runs of those same rounds: each ratio is still of runs in turns, and one batch a
+round fewer runs, and one engine fewer is built. Writes what each bench writes alone:
+``constrained`` and ``kv_cache`` .json and .png under bench/results/.
+
+    .venv/bin/python -m bench.constrained_kv [the structured-output bench's options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from aiserve.common.paths import model_store_path
+from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
+from bench import constrained_bench, kv_bench
+from bench.measure import run_and_write, write_report
+
+INT8_SIDE = "free, int8 KV"
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """constrained.json's report; kv_cache.json is written here, from the same rounds."""
+    started = time.perf_counter()
+    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    int8 = constrained_bench.workload_engine(folder, args.concurrency, "int8")
+    int8.start()
+    try:
+        report, runs = await constrained_bench.run_with(args, {INT8_SIDE: (int8, "free")})
+    finally:
+        await int8.stop()
+    kv = kv_bench.report_of(int8, {"auto": runs["free"], "int8": runs[INT8_SIDE]}, args)
+    kv.update(rounds_shared_with="constrained", wall_s=round(time.perf_counter() - started, 1))
+    kv_bench.show(write_report("kv_cache", kv, kv_bench.plot))
+    return report
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = constrained_bench.options(argv, "python -m bench.constrained_kv", __doc__.split("\n")[0])
+    constrained_bench.show(run_and_write("constrained", bench, args, constrained_bench.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
