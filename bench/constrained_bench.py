@@ -17,7 +17,8 @@ import asyncio
 import json
 import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -123,28 +124,41 @@ def report_of(engine: BatchEngine, runs: Mapping[str, Sequence[dict[str, Any]]],
     return report
 
 
-async def run_with(args: argparse.Namespace, riders: Mapping[str, Side] | None = None
+@asynccontextmanager
+async def started(*engines: BatchEngine) -> AsyncIterator[None]:
+    """``engines`` running inside, stopped however the block ends."""
+    for engine in engines:
+        engine.start()
+    try:
+        yield
+    finally:
+        for engine in engines:
+            await engine.stop()
+
+
+async def run_with(args: argparse.Namespace, folder: Path, riders: Mapping[str, Side] | None = None
                    ) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """The three workloads on one engine in rounds, with ``riders`` (other engines' sides, which
-    their owner starts and stops) in the same rounds: constrained.json's report, and every
-    side's runs by name (the workloads' and the riders')."""
-    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    """The three workloads on one engine over the model in ``folder``, in rounds, with ``riders``
+    (other engines' sides, which their owner starts and stops) in the same rounds:
+    constrained.json's report, and every side's runs by name (the workloads' and the riders')."""
     engine = workload_engine(folder, args.concurrency)
     prompts = prompts_of(folder)
     sides: dict[str, Side] = {kind: (engine, kind) for kind in WORKLOADS} | dict(riders or {})
-    engine.start()
-    try:
+    async with started(engine):
         await warm(list(sides.values()), prompts)
         engine.runner.masks.per_row_s.clear()
         runs = await run_rounds(sides, prompts, args)
-        per_row_ms = [s * 1000 for s in engine.runner.masks.per_row_s]
-    finally:
-        await engine.stop()
+    per_row_ms = [s * 1000 for s in engine.runner.masks.per_row_s]
     return report_of(engine, runs, per_row_ms, args), runs
 
 
+def default_model() -> Path:
+    """The default model's folder in the store, verified."""
+    return ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))[0]
+
+
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    return (await run_with(args))[0]
+    return (await run_with(args, default_model()))[0]
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

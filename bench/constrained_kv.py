@@ -19,8 +19,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from aiserve.common.paths import model_store_path
-from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
 from bench import constrained_bench, kv_bench
 from bench.measure import run_and_write, write_report
 
@@ -29,16 +27,13 @@ INT8_SIDE = "free, int8 KV"
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """constrained.json's report; kv_cache.json is written here, from the same rounds."""
-    started = time.perf_counter()
-    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    began = time.perf_counter()
+    folder = constrained_bench.default_model()
     int8 = constrained_bench.workload_engine(folder, args.concurrency, "int8")
-    int8.start()
-    try:
-        report, runs = await constrained_bench.run_with(args, {INT8_SIDE: (int8, "free")})
-    finally:
-        await int8.stop()
+    async with constrained_bench.started(int8):
+        report, runs = await constrained_bench.run_with(args, folder, {INT8_SIDE: (int8, "free")})
     kv = kv_bench.report_of(int8, {"auto": runs["free"], "int8": runs[INT8_SIDE]}, args)
-    kv.update(rounds_shared_with="constrained", wall_s=round(time.perf_counter() - started, 1))
+    kv.update(rounds_shared_with="constrained", wall_s=round(time.perf_counter() - began, 1))
     kv_bench.show(write_report("kv_cache", kv, kv_bench.plot))
     return report
 

@@ -17,7 +17,15 @@ import torch
 
 from aiserve.common.paths import model_store_path
 from aiserve.store import DEFAULT_MODEL_REF, ModelRef, ModelStore
-from bench.constrained_bench import options, prompts_of, run_rounds, warm, workload_engine
+from bench.constrained_bench import (
+    default_model,
+    options,
+    prompts_of,
+    run_rounds,
+    started,
+    warm,
+    workload_engine,
+)
 from bench.measure import machine, median_run, run_and_write
 from services.inference.batch_engine import BatchEngine
 from services.inference.engine_config import KVCacheConfig
@@ -60,18 +68,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Alone: the two engines' free-text batches in rounds (``make bench`` runs the int8 side
     in the structured-output bench's rounds instead, whose free-text runs are the other side:
     bench/constrained_kv.py)."""
-    folder, _ = ModelStore(model_store_path().resolve()).load_path(ModelRef.parse(DEFAULT_MODEL_REF))
+    folder = default_model()
     engines = {kv: workload_engine(folder, args.concurrency, kv) for kv in KV_DTYPES}
     prompts = prompts_of(folder)
     sides = {kv: (engine, "free") for kv, engine in engines.items()}
-    for engine in engines.values():
-        engine.start()
-    try:
+    async with started(*engines.values()):
         await warm(list(sides.values()), prompts)
         runs = await run_rounds(sides, prompts, args)
-    finally:
-        for engine in engines.values():
-            await engine.stop()
     return report_of(engines["auto"], runs, args)
 
 
